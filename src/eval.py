@@ -1,0 +1,14 @@
+"""Evaluate a checkpoint on the test split: python src/eval.py ckpt_path=outputs/.../last.ckpt"""
+import hydra
+from omegaconf import DictConfig
+
+from recforge.pipeline import evaluate
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

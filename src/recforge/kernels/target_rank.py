@@ -1,0 +1,168 @@
+"""Rank of a target item among the full catalogue, streamed in chunks.
+
+Full-catalogue evaluation needs, for every query row, how many items score above
+the target and how many tie with it. Materialising the ``[B, N]`` score matrix is
+infeasible for large catalogues, so the catalogue is streamed in chunks of
+``chunk_size`` items and only per-row counts are kept. Turning counts into ranks
+(and choosing a tie policy) is left to :func:`recforge.metrics.ranks_from_counts`.
+
+This module imports only torch: a Triton twin will later sit behind ``impl``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["IMPLS", "target_rank_counts", "target_rank_counts_reference"]
+
+#: Implementations accepted by :func:`target_rank_counts` (``"triton"`` arrives later).
+IMPLS: tuple[str, ...] = ("pytorch",)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    dtype = dtypes[0]
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    # Half-precision comparisons would create many spurious ties, and bf16 matmul
+    # accumulation on CPU is not reliable, so counts are taken in float32.
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
+def _validate(
+    queries: Tensor,
+    item_weights: Tensor,
+    item_bias: Tensor | None,
+    targets: Tensor,
+    chunk_size: int,
+) -> None:
+    if queries.dim() != 2:
+        raise ValueError(f"queries must be 2-D [B, d], got shape {tuple(queries.shape)}")
+    if item_weights.dim() != 2:
+        raise ValueError(f"item_weights must be 2-D [N, d], got shape {tuple(item_weights.shape)}")
+    if queries.shape[1] != item_weights.shape[1]:
+        raise ValueError(
+            f"embedding size mismatch: queries {tuple(queries.shape)} has d={queries.shape[1]}, "
+            f"item_weights {tuple(item_weights.shape)} has d={item_weights.shape[1]}"
+        )
+    for name, t in (("queries", queries), ("item_weights", item_weights)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    n_items = item_weights.shape[0]
+    if item_bias is not None:
+        if item_bias.dim() != 1 or item_bias.shape[0] != n_items:
+            raise ValueError(
+                f"item_bias must be 1-D [N] with N={n_items}, got shape {tuple(item_bias.shape)}"
+            )
+        if not item_bias.is_floating_point():
+            raise ValueError(f"item_bias must be a floating-point tensor, got dtype {item_bias.dtype}")
+    if targets.dim() != 1 or targets.shape[0] != queries.shape[0]:
+        raise ValueError(
+            f"targets must be 1-D [B] with B={queries.shape[0]}, got shape {tuple(targets.shape)}"
+        )
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    devices = {queries.device, item_weights.device, targets.device}
+    if item_bias is not None:
+        devices.add(item_bias.device)
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(str(d) for d in devices)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if targets.numel() > 0:
+        # One host sync per call; an out-of-range target would otherwise silently
+        # give a wrong rank (it would never be excluded from its own row).
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= n_items:
+            raise ValueError(f"targets must lie in [0, {n_items}), got values in [{lo}, {hi}]")
+
+
+@torch.no_grad()
+def target_rank_counts(
+    queries: Tensor,
+    item_weights: Tensor,
+    item_bias: Tensor | None,
+    targets: Tensor,
+    chunk_size: int = 8192,
+    impl: str = "pytorch",
+) -> tuple[Tensor, Tensor]:
+    """Count catalogue items scoring above / equal to each row's target.
+
+    The score of item ``j`` for row ``i`` is ``queries[i] @ item_weights[j] (+ item_bias[j])``.
+
+    Args:
+        queries: ``[B, d]`` float32 / float64 / bf16 / fp16.
+        item_weights: ``[N, d]`` floating point.
+        item_bias: ``[N]`` floating point, or ``None``.
+        targets: ``[B]`` integer item ids in ``[0, N)``.
+        chunk_size: items scored per step; peak extra memory is ``O(B * chunk_size)``.
+        impl: implementation, one of :data:`IMPLS`.
+
+    Returns:
+        ``(n_greater, n_equal)``, both ``[B]`` int64: items scoring strictly higher
+        than the target, and items scoring exactly equal to it *including the
+        target itself* (so ``n_equal >= 1``). Items whose score is NaN fall in
+        neither count.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
+    _validate(queries, item_weights, item_bias, targets, chunk_size)
+
+    dtypes = [queries.dtype, item_weights.dtype]
+    if item_bias is not None:
+        dtypes.append(item_bias.dtype)
+    dtype = _compute_dtype(*dtypes)
+    device = queries.device
+    n_rows, n_items = queries.shape[0], item_weights.shape[0]
+    targets = targets.long()
+    q = queries.to(dtype)
+
+    # The target score is computed once by a direct dot product; its own column is
+    # then skipped in every chunk so that dot-vs-matmul rounding can never move the
+    # target relative to itself. It is counted as exactly one tie up front.
+    target_scores = (q * item_weights[targets].to(dtype)).sum(dim=1)
+    if item_bias is not None:
+        target_scores = target_scores + item_bias[targets].to(dtype)
+    threshold = target_scores.unsqueeze(1)  # [B, 1]
+
+    n_greater = torch.zeros(n_rows, dtype=torch.int64, device=device)
+    n_equal = torch.ones(n_rows, dtype=torch.int64, device=device)
+    cols = torch.arange(min(chunk_size, max(n_items, 1)), device=device)
+
+    for start in range(0, n_items, chunk_size):
+        stop = min(start + chunk_size, n_items)
+        # Cast per chunk so a low-precision catalogue is never copied whole.
+        scores = q @ item_weights[start:stop].to(dtype).T  # [B, C]
+        if item_bias is not None:
+            scores = scores + item_bias[start:stop].to(dtype)
+        is_target = cols[: stop - start].unsqueeze(0) == (targets - start).unsqueeze(1)  # [B, C]
+        keep = ~is_target
+        n_greater += ((scores > threshold) & keep).sum(dim=1)
+        n_equal += ((scores == threshold) & keep).sum(dim=1)
+
+    return n_greater, n_equal
+
+
+@torch.no_grad()
+def target_rank_counts_reference(scores: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Obvious full-matrix twin of :func:`target_rank_counts` (test oracle).
+
+    Args:
+        scores: ``[B, N]`` score matrix.
+        targets: ``[B]`` integer item ids in ``[0, N)``.
+
+    Returns:
+        ``(n_greater, n_equal)``, both ``[B]`` int64; ``n_equal`` includes the target.
+    """
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be 2-D [B, N], got shape {tuple(scores.shape)}")
+    if targets.dim() != 1 or targets.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"targets must be 1-D [B] with B={scores.shape[0]}, got shape {tuple(targets.shape)}"
+        )
+    target_scores = scores.gather(1, targets.long().unsqueeze(1))  # [B, 1]
+    n_greater = (scores > target_scores).sum(dim=1, dtype=torch.int64)
+    n_equal = (scores == target_scores).sum(dim=1, dtype=torch.int64)
+    return n_greater, n_equal

@@ -1,0 +1,84 @@
+"""Next-item losses over sampled columns (GRU4Rec, spec §1.4).
+
+Every loss takes ``scores [B', C]`` where column i holds row i's target (the first B' columns are
+the mini-batch's own targets, any further columns are shared sampled negatives). Accidental hits are
+kept, as in the reference. The sum over rows is divided by the *configured* batch size, so the
+shrinking batch at the end of an epoch does not weigh its rows more.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# Every next-item loss consumes this kind of score matrix; models that produce it declare the same.
+NEXT_ITEM_COLUMNS = "next_item_columns"
+
+
+class SampledLoss(nn.Module):
+    """Base: declares what score matrix it consumes, and the smallest useful batch."""
+
+    consumes = NEXT_ITEM_COLUMNS
+
+    def min_batch_rows(self, n_extra_negatives: int) -> int:
+        # Without extra samples the other rows' targets are the only negatives.
+        return 1 if n_extra_negatives > 0 else 2
+
+    def activation(self, scores: torch.Tensor) -> torch.Tensor:
+        """The final activation applied to scores before the loss (monotone: ranking unchanged)."""
+        return scores
+
+
+class CrossEntropy(SampledLoss):
+    """Softmax cross-entropy over the columns, with optional logq correction.
+
+    ``logq > 0`` subtracts ``logq * log q_j`` from column j before the softmax, where q_j is the
+    column's sampling weight (raw popularity for in-batch targets, popularity^alpha for samples).
+    """
+
+    def __init__(self, logq: float = 0.0) -> None:
+        super().__init__()
+        self.logq = float(logq)
+
+    def forward(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.logq > 0.0:
+            if log_q is None:
+                raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
+            scores = scores - self.logq * log_q.unsqueeze(0)
+        probs = torch.softmax(scores, dim=1)
+        return -torch.log(torch.diagonal(probs) + 1e-24).sum() / batch_size
+
+
+class BPRMax(SampledLoss):
+    """BPR-max: -log sum_j s_ij σ(r_ii - r_ij) + bpreg sum_j s_ij r_ij², j over negatives only.
+
+    s_ij is a softmax over row i's negatives (the target column excluded); its weights are not
+    detached. With ``elu_param > 0`` the scores first pass through ELU(alpha=elu_param).
+    """
+
+    def __init__(self, bpreg: float = 1.0, elu_param: float = 0.5) -> None:
+        super().__init__()
+        self.bpreg = float(bpreg)
+        self.elu_param = float(elu_param)
+
+    def activation(self, scores: torch.Tensor) -> torch.Tensor:
+        return F.elu(scores, alpha=self.elu_param) if self.elu_param > 0 else scores
+
+    def forward(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        r = self.activation(scores)
+        n_rows = r.shape[0]
+        off_diag = torch.ones_like(r)
+        off_diag[:, :n_rows].fill_diagonal_(0.0)
+        # Mask, then subtract the row max over the masked matrix (the zeroed diagonal takes part),
+        # exponentiate and mask again: a softmax over the negatives only.
+        masked = r * off_diag
+        e = torch.exp(masked - masked.max(dim=1, keepdim=True).values) * off_diag
+        s = e / e.sum(dim=1, keepdim=True)
+        target = torch.diagonal(r).unsqueeze(1)
+        pairwise = (s * torch.sigmoid(target - r)).sum(dim=1)
+        loss = -torch.log(pairwise + 1e-24) + self.bpreg * (s * r * r).sum(dim=1)
+        return loss.sum() / batch_size

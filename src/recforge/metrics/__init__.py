@@ -1,0 +1,5 @@
+"""Evaluation metrics."""
+
+from recforge.metrics.ranking import TIE_POLICIES, RankingMetrics, ranks_from_counts
+
+__all__ = ["TIE_POLICIES", "RankingMetrics", "ranks_from_counts"]

@@ -1,0 +1,170 @@
+"""GRU4Rec (Hidasi et al. 2016; Hidasi & Karatzoglou 2018): a GRU over the items of a session.
+
+Plain nn.Module, no Lightning. The task feeds one step at a time (session-parallel, no BPTT) and
+scores either a few item columns (training: targets + negatives) or the whole catalogue in tiles
+(evaluation, through ``item_weights``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def _uniform_(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    with torch.no_grad():
+        tensor.uniform_(-bound, bound)
+
+
+class OneHotGRUCell(nn.Module):
+    """First GRU layer fed by a one-hot item vector, in the original single-bias formulation.
+
+    Multiplying a one-hot vector by the input weights selects a row, so the input side is a sparse
+    row lookup ``Wx[item] + b`` (``[B, 3h]``, blocks [candidate | reset | update]), and only the
+    rows of the items in the mini-batch receive gradient.
+    """
+
+    def __init__(self, n_items: int, hidden_size: int, sparse: bool = True) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.Wx = nn.Embedding(n_items, 3 * hidden_size, sparse=sparse)
+        self.bias = nn.Parameter(torch.zeros(3 * hidden_size))
+        self.Wh = nn.Parameter(torch.empty(hidden_size, 3 * hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        h = self.hidden_size
+        for k in range(3):
+            _uniform_(self.Wx.weight[:, k * h : (k + 1) * h], self.Wx.num_embeddings, h)
+            _uniform_(self.Wh[:, k * h : (k + 1) * h], h, h)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, items: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """items ``[B]``, hidden ``[B, h]`` -> new hidden ``[B, h]``."""
+        h = self.hidden_size
+        a = self.Wx(items) + self.bias
+        a_c, a_r, a_z = a[:, :h], a[:, h : 2 * h], a[:, 2 * h :]
+        u = hidden @ self.Wh[:, h:]
+        r = torch.sigmoid(a_r + u[:, :h])
+        z = torch.sigmoid(a_z + u[:, h:])
+        candidate = torch.tanh((r * hidden) @ self.Wh[:, :h] + a_c)
+        return (1.0 - z) * hidden + z * candidate
+
+
+class GRU4Rec(nn.Module):
+    """Item sequence model with one or more GRU layers and a dot-product item scorer.
+
+    Embedding modes (spec §1.3):
+      * ``constrained_embedding=True``: the input vector is the item's row of the output matrix
+        ``Wy`` (one tensor serves as input embedding and output weights; the published best setup);
+      * ``embedding=k > 0``: a separate input table ``E`` of width k;
+      * ``embedding=0``: one-hot input (the first layer's input weights are a row lookup).
+
+    Shapes: items ``[B]``; hidden state a list with one ``[B, h_l]`` tensor per layer; ``step``
+    returns the last layer's output ``[B, d]`` (d = last layer size), ``score_columns`` ``[B, C]``.
+    """
+
+    def __init__(
+        self,
+        n_items: int,
+        hidden_size: int = 100,
+        num_layers: int = 1,
+        layers: list[int] | None = None,
+        embedding: int = 0,
+        constrained_embedding: bool = True,
+        dropout_p_embed: float = 0.0,
+        dropout_p_hidden: float = 0.0,
+        sparse_embeddings: bool = True,
+    ) -> None:
+        super().__init__()
+        self.layers = [int(x) for x in layers] if layers else [int(hidden_size)] * int(num_layers)
+        if not self.layers or min(self.layers) < 1:
+            raise ValueError(f"model.layers must be positive sizes, got {self.layers}")
+        if constrained_embedding and embedding:
+            raise ValueError(
+                "model.embedding must be 0 with model.constrained_embedding=true: the shared "
+                "embedding is the output matrix itself (width = last layer size)"
+            )
+        self.n_items = n_items
+        self.constrained_embedding = constrained_embedding
+        self.embedding_size = int(embedding)
+        self.dropout_p_embed = dropout_p_embed
+        self.dropout_p_hidden = dropout_p_hidden
+        d = self.layers[-1]
+        self.Wy = nn.Embedding(n_items, d, sparse=sparse_embeddings)
+        self.By = nn.Embedding(n_items, 1, sparse=sparse_embeddings)
+        self.E: nn.Embedding | None = None
+        self.onehot: OneHotGRUCell | None = None
+        if constrained_embedding:
+            first_in = d
+        elif self.embedding_size > 0:
+            self.E = nn.Embedding(n_items, self.embedding_size, sparse=sparse_embeddings)
+            first_in = self.embedding_size
+        else:
+            self.onehot = OneHotGRUCell(n_items, self.layers[0], sparse=sparse_embeddings)
+            first_in = None
+        cells = []
+        in_size = first_in
+        for i, h in enumerate(self.layers):
+            if i == 0 and self.onehot is not None:
+                in_size = h
+                continue
+            cells.append(nn.GRUCell(in_size, h))
+            in_size = h
+        self.cells = nn.ModuleList(cells)
+        self.reset_parameters()
+
+    @property
+    def state_widths(self) -> list[int]:
+        return list(self.layers)
+
+    def reset_parameters(self) -> None:
+        """Uniform ±sqrt(6/(fan_in+fan_out)) per gate block, zero biases (spec §1.7)."""
+        d = self.layers[-1]
+        _uniform_(self.Wy.weight, self.n_items, d)
+        nn.init.zeros_(self.By.weight)
+        if self.E is not None:
+            _uniform_(self.E.weight, self.n_items, self.embedding_size)
+        for cell in self.cells:
+            h = cell.hidden_size
+            for k in range(3):
+                _uniform_(cell.weight_ih[k * h : (k + 1) * h], cell.input_size, h)
+                _uniform_(cell.weight_hh[k * h : (k + 1) * h], h, h)
+            nn.init.zeros_(cell.bias_ih)
+            nn.init.zeros_(cell.bias_hh)
+
+    def step(
+        self, items: torch.Tensor, hidden: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Advance every session by one event.
+
+        Dropout is inverted and active in training only; the dropped-out output of a layer is both
+        what the next layer sees and the state carried to the next step (as the reference does).
+        """
+        new_hidden: list[torch.Tensor] = []
+        layer = 0
+        if self.onehot is not None:
+            x = self.onehot(items, hidden[0])
+            x = F.dropout(x, self.dropout_p_embed, self.training)
+            new_hidden.append(x)
+            layer = 1
+        else:
+            table = self.Wy if self.constrained_embedding else self.E
+            x = F.dropout(table(items), self.dropout_p_embed, self.training)
+        for cell in self.cells:
+            x = cell(x, hidden[layer])
+            x = F.dropout(x, self.dropout_p_hidden, self.training)
+            new_hidden.append(x)
+            layer += 1
+        return x, new_hidden
+
+    def score_columns(self, output: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """Scores of the given item columns: output ``[B, d]``, columns ``[C]`` -> ``[B, C]``."""
+        return output @ self.Wy(columns).T + self.By(columns).T
+
+    def item_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole catalogue's scorer, ``([n_items, d], [n_items])``, for tiled full ranking."""
+        return self.Wy.weight, self.By.weight.squeeze(1)

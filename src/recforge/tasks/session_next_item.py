@@ -1,0 +1,137 @@
+"""LightningModule for session-based next-item models trained session-parallel (GRU4Rec)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import lightning as L
+import numpy as np
+import torch
+from torch import nn
+
+from recforge.data.batches import SessionStep
+from recforge.kernels import target_rank_counts
+from recforge.losses.sampled import NEXT_ITEM_COLUMNS, SampledLoss
+from recforge.metrics import RankingMetrics
+
+
+class SessionNextItemTask(L.LightningModule):
+    """Trains a step-wise session model on :class:`SessionStep` batches and ranks the catalogue.
+
+    The hidden state lives here between steps (detached: no BPTT) and follows each batch's
+    keep/reset instructions. Evaluation scores the full catalogue in tiles and feeds the rank of
+    every target to a :class:`RankingMetrics` whose sums DDP reduces.
+
+    Args:
+        model: factory ``(n_items=...) -> nn.Module`` with ``step``, ``score_columns``,
+            ``item_weights`` and ``state_widths`` (see :class:`recforge.models.gru4rec.GRU4Rec`).
+        loss: a sampled next-item loss.
+        optimizer: factory ``(params) -> torch.optim.Optimizer``.
+        n_items, item_popularity: the training catalogue (from the data module).
+        batch_size: the configured training batch size; losses are normalised by it.
+        evaluation: ``ks``, ``metrics``, ``ties``, ``chunk_size``, ``kernel`` of the ranking protocol.
+    """
+
+    batch_type = SessionStep
+    produces = NEXT_ITEM_COLUMNS
+
+    def __init__(
+        self,
+        model: Callable[..., nn.Module],
+        loss: SampledLoss,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        n_items: int,
+        item_popularity: Sequence[int] | np.ndarray | torch.Tensor,
+        batch_size: int,
+        evaluation: dict,
+        scheduler: Callable | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(
+            ignore=["model", "loss", "optimizer", "scheduler", "item_popularity"], logger=False
+        )
+        self.model = model(n_items=n_items)
+        self.loss = loss
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.batch_size = int(batch_size)
+        popularity = torch.as_tensor(np.asarray(item_popularity), dtype=torch.float64)
+        self.register_buffer("log_popularity", torch.log(popularity.clamp_min(1.0)).float())
+        evaluation = dict(evaluation)
+        self.chunk_size = int(evaluation.pop("chunk_size", 8192))
+        self.rank_kernel = str(evaluation.pop("kernel", "pytorch"))
+        self.val_metrics = RankingMetrics(**evaluation)
+        self.test_metrics = RankingMetrics(**evaluation)
+        self.n_sample = 0
+        self._train_hidden: list[torch.Tensor] | None = None
+        self._eval_hidden: list[torch.Tensor] | None = None
+
+    @property
+    def min_batch_rows(self) -> int:
+        return self.loss.min_batch_rows(self.n_sample)
+
+    # ------------------------------------------------------------------ training
+    def on_train_epoch_start(self) -> None:
+        self._train_hidden = None
+
+    def training_step(self, batch: SessionStep, batch_idx: int) -> torch.Tensor:
+        if batch.size == 0:
+            # A DDP rank that ran out of sessions still joins the gradient all-reduce, with a
+            # zero loss built through the same parameters so every gradient has the same layout.
+            batch = SessionStep(
+                inputs=torch.zeros(1, dtype=torch.long, device=self.device),
+                targets=torch.zeros(1, dtype=torch.long, device=self.device),
+                reset=torch.ones(1, dtype=torch.bool, device=self.device),
+            )
+            loss = self._train_loss(batch, hidden=None) * 0.0
+            self._train_hidden = [h[:0] for h in self._train_hidden] if self._train_hidden else None
+            return loss
+        loss = self._train_loss(batch, self._train_hidden)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=batch.size)
+        return loss
+
+    def _train_loss(self, batch: SessionStep, hidden: list[torch.Tensor] | None) -> torch.Tensor:
+        state = batch.carry_hidden(hidden, self.model.state_widths)
+        output, new_state = self.model.step(batch.inputs, state)
+        self._train_hidden = [h.detach() for h in new_state]
+        columns = batch.targets
+        scores = self.model.score_columns(output, columns)
+        return self.loss(scores, self.batch_size, log_q=self.log_popularity[columns])
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer=optimizer)}
+
+    # ------------------------------------------------------------------ evaluation
+    def on_validation_epoch_start(self) -> None:
+        self._eval_hidden = None
+
+    def on_test_epoch_start(self) -> None:
+        self._eval_hidden = None
+
+    def _rank_targets(self, batch: SessionStep, metrics: RankingMetrics) -> None:
+        state = batch.carry_hidden(self._eval_hidden, self.model.state_widths)
+        output, self._eval_hidden = self.model.step(batch.inputs, state)
+        weights, bias = self.model.item_weights()
+        n_greater, n_equal = target_rank_counts(
+            output, weights, bias, batch.targets, chunk_size=self.chunk_size, impl=self.rank_kernel
+        )
+        metrics.update_from_counts(n_greater, n_equal)
+
+    def validation_step(self, batch: SessionStep, batch_idx: int) -> None:
+        self._rank_targets(batch, self.val_metrics)
+
+    def test_step(self, batch: SessionStep, batch_idx: int) -> None:
+        self._rank_targets(batch, self.test_metrics)
+
+    def _log_metrics(self, prefix: str, metrics: RankingMetrics) -> None:
+        values = metrics.compute()  # reduces the count sums across DDP ranks
+        self.log_dict({f"{prefix}/{k}": v.float() for k, v in values.items()}, sync_dist=False)
+        metrics.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val", self.val_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test", self.test_metrics)

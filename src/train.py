@@ -1,0 +1,16 @@
+"""Train a model: python src/train.py [group=option ...] [key=value ...] (see conf/train.yaml)."""
+import hydra
+from omegaconf import DictConfig
+
+from recforge.pipeline import metric_value, train
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    metrics = train(cfg)
+    # Sweepers (Optuna) optimise the returned value.
+    return metric_value(metrics, cfg.get("optimized_metric")) if cfg.get("train", True) else None
+
+
+if __name__ == "__main__":
+    main()
