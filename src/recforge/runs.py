@@ -28,6 +28,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a result file is not
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

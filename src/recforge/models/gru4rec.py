@@ -128,6 +128,8 @@ class GRU4Rec(nn.Module):
         nn.init.zeros_(self.By.weight)
         if self.E is not None:
             _uniform_(self.E.weight, self.n_items, self.embedding_size)
+        if self.onehot is not None:
+            self.onehot.reset_parameters()
         for cell in self.cells:
             h = cell.hidden_size
             for k in range(3):

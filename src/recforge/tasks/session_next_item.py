@@ -1,6 +1,7 @@
 """LightningModule for session-based next-item models trained session-parallel (GRU4Rec)."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import lightning as L
@@ -9,9 +10,14 @@ import torch
 from torch import nn
 
 from recforge.data.batches import SessionStep
+from recforge.data.negatives import PopularitySampler
 from recforge.kernels import target_rank_counts
 from recforge.losses.sampled import NEXT_ITEM_COLUMNS, SampledLoss
 from recforge.metrics import RankingMetrics
+
+# Ranking metrics are reduced inside RankingMetrics (count sums across ranks) before they are
+# logged, so Lightning's advice to sync_dist them would only average identical values.
+warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
 
 
 class SessionNextItemTask(L.LightningModule):
@@ -29,6 +35,11 @@ class SessionNextItemTask(L.LightningModule):
         n_items, item_popularity: the training catalogue (from the data module).
         batch_size: the configured training batch size; losses are normalised by it.
         evaluation: ``ks``, ``metrics``, ``ties``, ``chunk_size``, ``kernel`` of the ranking protocol.
+        n_sample: extra negatives per mini-batch, shared by its rows, drawn with P ∝ pop^alpha
+            (0: the mini-batch's own targets are the only negatives).
+        sample_alpha, sample_store_size: the sampling distribution's exponent and how many draws
+            are made at once.
+        seed: seed of the negative sampler (offset by the DDP rank).
     """
 
     batch_type = SessionStep
@@ -44,6 +55,10 @@ class SessionNextItemTask(L.LightningModule):
         batch_size: int,
         evaluation: dict,
         scheduler: Callable | None = None,
+        n_sample: int = 0,
+        sample_alpha: float = 0.5,
+        sample_store_size: int = 10_000_000,
+        seed: int | None = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(
@@ -55,13 +70,20 @@ class SessionNextItemTask(L.LightningModule):
         self.scheduler_factory = scheduler
         self.batch_size = int(batch_size)
         popularity = torch.as_tensor(np.asarray(item_popularity), dtype=torch.float64)
+        # float32 holds counts exactly up to 2**24 events per item
+        self.register_buffer("popularity", popularity.float())
         self.register_buffer("log_popularity", torch.log(popularity.clamp_min(1.0)).float())
         evaluation = dict(evaluation)
         self.chunk_size = int(evaluation.pop("chunk_size", 8192))
         self.rank_kernel = str(evaluation.pop("kernel", "pytorch"))
         self.val_metrics = RankingMetrics(**evaluation)
         self.test_metrics = RankingMetrics(**evaluation)
-        self.n_sample = 0
+        self.n_sample = int(n_sample)
+        self.sample_alpha = float(sample_alpha)
+        self.sample_store_size = int(sample_store_size)
+        self.seed = int(seed or 0)
+        self._sampler: PopularitySampler | None = None
+        self._sampler_state: dict | None = None
         self._train_hidden: list[torch.Tensor] | None = None
         self._eval_hidden: list[torch.Tensor] | None = None
 
@@ -70,6 +92,20 @@ class SessionNextItemTask(L.LightningModule):
         return self.loss.min_batch_rows(self.n_sample)
 
     # ------------------------------------------------------------------ training
+    @property
+    def sampler(self) -> PopularitySampler | None:
+        if self.n_sample > 0 and self._sampler is None:
+            self._sampler = PopularitySampler(
+                self.popularity.cpu(),
+                self.n_sample,
+                self.sample_alpha,
+                self.sample_store_size,
+                seed=self.seed + self.global_rank,
+            )
+            if self._sampler_state is not None:
+                self._sampler.load_state_dict(self._sampler_state)
+        return self._sampler
+
     def on_train_epoch_start(self) -> None:
         self._train_hidden = None
 
@@ -93,9 +129,22 @@ class SessionNextItemTask(L.LightningModule):
         state = batch.carry_hidden(hidden, self.model.state_widths)
         output, new_state = self.model.step(batch.inputs, state)
         self._train_hidden = [h.detach() for h in new_state]
-        columns = batch.targets
+        columns, log_q = batch.targets, self.log_popularity[batch.targets]
+        if self.sampler is not None:
+            negatives = self.sampler.sample().to(self.device, non_blocking=True)
+            columns = torch.cat([columns, negatives])
+            # q of a sampled column is pop^alpha; of an in-batch target, its raw popularity
+            log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
         scores = self.model.score_columns(output, columns)
-        return self.loss(scores, self.batch_size, log_q=self.log_popularity[columns])
+        return self.loss(scores, self.batch_size, log_q=log_q)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self._sampler is not None:
+            checkpoint["negative_sampler"] = self._sampler.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._sampler_state = checkpoint.get("negative_sampler")
+        self._sampler = None
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(params=self.parameters())

@@ -1,0 +1,278 @@
+"""Read a finished sweep back for analysis (used by notebooks/1.0-sweep-analysis.ipynb).
+
+A sweep directory is what ``python src/train.py -m ...`` leaves in
+``<log_dir>/<task_name>/multiruns/<time>/``: one sub-directory per job (``.hydra/overrides.yaml``,
+``metrics.json``, ``csv/metrics.csv``) and ``summary.csv`` at the root (see :mod:`recforge.runs`).
+
+matplotlib is only imported by the plotting helpers (the ``notebooks`` extra).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pandas as pd
+import yaml
+
+from recforge.runs import SUMMARY_FILE, read_job_overrides, write_sweep_summary
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+EPOCH_LOG = Path("csv") / "metrics.csv"
+"""Where the Lightning CSVLogger of a job writes (conf/logger/csv.yaml: name=csv, version="")."""
+
+META_COLUMNS = ("job", "status")
+"""Columns of summary.csv that are neither overrides nor metrics."""
+
+EXTRA_METRICS = ("epochs", "wall_time_s", "test_checkpoint")
+"""Keys of metrics.json without a ``train/``, ``val/`` or ``test/`` prefix."""
+
+DEFAULT_METRICS = ("val/recall@20", "val/mrr@20", "test/recall@20", "test/mrr@20")
+"""Plotted, when present, after the sweep's ``optimized_metric``."""
+
+TRAIN_LOSS = "train/loss_epoch"
+
+
+def job_dirs(sweep_dir: str | Path) -> list[Path]:
+    """The job directories of a sweep (sub-directories with a ``.hydra`` folder), in job order.
+
+    Raises ``FileNotFoundError`` naming the path when the sweep directory is missing or holds no job.
+    """
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"sweep directory not found: {sweep_dir}")
+    jobs = sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()),
+        key=lambda p: (len(p.name), p.name),
+    )
+    if not jobs:
+        raise FileNotFoundError(
+            f"no jobs in sweep directory {sweep_dir}: expected sub-directories with a .hydra/ "
+            "folder, as written by `python src/train.py -m ...`"
+        )
+    return jobs
+
+
+def latest_sweep(log_dir: str | Path, task_name: str = "train") -> Path:
+    """The newest sweep directory under ``<log_dir>/<task_name>/multiruns/``.
+
+    Sweep directories are named by start time (``%Y-%m-%d_%H-%M-%S``), so the newest is the last
+    by name; modification times are not used, since writing figures into an older sweep changes them.
+    """
+    root = Path(log_dir) / task_name / "multiruns"
+    sweeps = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
+    if not sweeps:
+        raise FileNotFoundError(
+            f"no sweep directory under {root}: run a multirun first, e.g. "
+            "`python src/train.py -m model.hidden_size=32,64`"
+        )
+    return sweeps[-1]
+
+
+def load_sweep(sweep_dir: str | Path, rebuild: bool = False) -> pd.DataFrame:
+    """The sweep's ``summary.csv`` (one row per job: ``job``, override columns, metrics, ``status``).
+
+    When the file is absent (sweep interrupted, or still running) or ``rebuild`` is set, it is
+    (re)written from the job directories with :func:`recforge.runs.write_sweep_summary`.
+    """
+    sweep_dir = Path(sweep_dir)
+    path = sweep_dir / SUMMARY_FILE
+    if rebuild or not path.exists():
+        job_dirs(sweep_dir)  # a clear error when there is nothing to summarise
+        path = write_sweep_summary(sweep_dir)
+        if path is None:  # pragma: no cover - job_dirs() raised already
+            raise FileNotFoundError(f"no jobs in sweep directory {sweep_dir}")
+    summary = pd.read_csv(path)
+    if summary.empty:
+        raise ValueError(f"{path} has no rows: the sweep directory {sweep_dir} has no jobs")
+    return summary
+
+
+def is_metric(column: str) -> bool:
+    """Whether a summary column holds a metric (a key of metrics.json) rather than an override."""
+    if column in EXTRA_METRICS:
+        return True
+    return "/" in column and not column.startswith("hydra/")
+
+
+def hyperparameter_columns(summary: pd.DataFrame, varying_only: bool = True) -> list[str]:
+    """The override columns of a sweep summary, in column order.
+
+    With ``varying_only`` (the default) only the overrides whose value differs between jobs are
+    returned: the swept hyper-parameters, not the settings shared by every job
+    (``trainer.max_epochs=2``, ``paths.log_dir=...``).
+    """
+    columns = [c for c in summary.columns if c not in META_COLUMNS and not is_metric(c)]
+    if varying_only:
+        columns = [c for c in columns if summary[c].nunique(dropna=False) > 1]
+    return columns
+
+
+def optimized_metric(sweep_dir: str | Path) -> str | None:
+    """The sweep's ``optimized_metric`` (from the first job's ``.hydra/config.yaml``), if any."""
+    for job in job_dirs(sweep_dir):
+        config = job / ".hydra" / "config.yaml"
+        if config.exists():
+            value = (yaml.safe_load(config.read_text()) or {}).get("optimized_metric")
+            return str(value) if value else None
+    return None
+
+
+def metric_columns(
+    frame: pd.DataFrame, preferred: Iterable[str | None] = (), defaults: Sequence[str] = DEFAULT_METRICS
+) -> list[str]:
+    """``preferred`` then ``defaults``, without duplicates, kept when ``frame`` has a value for them."""
+    columns: list[str] = []
+    for name in [*preferred, *defaults]:
+        if name and name not in columns and name in frame.columns and frame[name].notna().any():
+            columns.append(name)
+    return columns
+
+
+def _coerce(column: pd.Series) -> pd.Series:
+    try:
+        return pd.to_numeric(column)
+    except (ValueError, TypeError):
+        return column
+
+
+def _job_id(name: str) -> int | str:
+    return int(name) if name.isdigit() else name
+
+
+def _override_items(job_dir: Path) -> dict[str, str]:
+    items = {}
+    for item in read_job_overrides(job_dir):
+        key, _, value = item.partition("=")
+        items[key.lstrip("+~")] = value
+    return items
+
+
+def _epoch_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per epoch: drop per-step columns and test rows, merge rows of the same epoch."""
+    frame = frame.drop(columns=[c for c in frame.columns if c.endswith("_step")])
+    values = [c for c in frame.columns if c not in ("epoch", "step") and not c.startswith("test/")]
+    frame = frame.dropna(subset=values, how="all")[["epoch", "step", *values]]
+    if frame.empty:
+        return frame
+    # Lightning logs the validation and the training epoch metrics as separate rows of one epoch.
+    return frame.groupby("epoch", as_index=False, sort=True).agg(
+        {"step": "max", **{c: "first" for c in values}}
+    )
+
+
+def load_epoch_logs(sweep_dir: str | Path) -> pd.DataFrame:
+    """Every job's ``csv/metrics.csv`` at epoch level, concatenated.
+
+    Columns: ``job``, the job's overrides (as in summary.csv), ``epoch``, ``step``, then the epoch
+    metrics (``val/...``, ``train/loss_epoch``, ``train/events_per_s``, ...). Per-step values
+    (``*_step``) and the final test row are dropped. Jobs without a CSV log are skipped.
+    """
+    sweep_dir = Path(sweep_dir)
+    frames = []
+    override_keys: list[str] = []
+    for job in job_dirs(sweep_dir):
+        path = job / EPOCH_LOG
+        if not path.exists():
+            continue
+        epochs = _epoch_rows(pd.read_csv(path))
+        overrides = _override_items(job)
+        override_keys.extend(k for k in overrides if k not in override_keys)
+        frames.append(epochs.assign(job=_job_id(job.name), **overrides))
+    if not frames:
+        raise FileNotFoundError(
+            f"no job of sweep directory {sweep_dir} has a {EPOCH_LOG.as_posix()} "
+            "(train with logger=csv)"
+        )
+    logs = pd.concat(frames, ignore_index=True)
+    for key in override_keys:
+        logs[key] = _coerce(logs[key])
+    metrics = [c for c in logs.columns if c not in ("job", "epoch", "step", *override_keys)]
+    logs = logs[["job", *override_keys, "epoch", "step", *metrics]]
+    return logs.dropna(axis="columns", how="all").reset_index(drop=True)
+
+
+def job_labels(frame: pd.DataFrame, hparams: Sequence[str]) -> dict[int | str, str]:
+    """``{job: "job 0: model.hidden_size=16"}`` for legends."""
+    first = frame.drop_duplicates("job")
+    hparams = [h for h in hparams if h in first.columns]
+    labels = {}
+    for i, job in enumerate(first["job"].tolist()):  # column-wise: keeps ints as ints
+        settings = ", ".join(f"{h}={first[h].iloc[i]}" for h in hparams)
+        labels[job] = f"job {job}" + (f": {settings}" if settings else "")
+    return labels
+
+
+def _is_numeric(column: pd.Series) -> bool:
+    return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
+
+
+def plot_metrics_vs_hparams(
+    summary: pd.DataFrame, metrics: Sequence[str], hparams: Sequence[str]
+) -> Figure:
+    """A grid of panels, one per hyper-parameter (rows) and metric (columns): one point per job.
+
+    Numeric hyper-parameters get a line through the mean per value (log-scaled x when the values
+    span two decades or more); others are plotted as categories. Failed jobs (no metric) are left out.
+    """
+    import matplotlib.pyplot as plt
+
+    if not metrics or not hparams:
+        raise ValueError(f"need at least one metric and one hyper-parameter, got {metrics!r}, {hparams!r}")
+    fig, axes = plt.subplots(
+        len(hparams), len(metrics), figsize=(4.0 * len(metrics), 3.2 * len(hparams)), squeeze=False
+    )
+    for i, hparam in enumerate(hparams):
+        for j, metric in enumerate(metrics):
+            ax = axes[i][j]
+            data = summary[[hparam, metric]].dropna()
+            if _is_numeric(data[hparam]):
+                ax.scatter(data[hparam], data[metric], alpha=0.7)
+                mean = data.groupby(hparam)[metric].mean().sort_index()
+                ax.plot(mean.index, mean.to_numpy(), marker="o")
+                values = data[hparam]
+                if len(values) and (values > 0).all() and values.max() / values.min() >= 100:
+                    ax.set_xscale("log")
+            else:
+                x = data[hparam].astype(str)
+                ax.scatter(x, data[metric], alpha=0.7)
+            ax.set_xlabel(hparam)
+            ax.set_ylabel(metric)
+            ax.grid(True, alpha=0.3)
+    fig.suptitle("final metrics by hyper-parameter")
+    fig.tight_layout()
+    return fig
+
+
+def plot_learning_curves(
+    epochs: pd.DataFrame, metrics: Sequence[str], hparams: Sequence[str] = ()
+) -> Figure:
+    """One panel per metric, one line per job, metric against epoch (from :func:`load_epoch_logs`)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    if not metrics:
+        raise ValueError("need at least one metric to plot")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.5), squeeze=False)
+    labels = job_labels(epochs, hparams)
+    for ax, metric in zip(axes[0], metrics):
+        for job, rows in epochs.groupby("job", sort=False):
+            rows = rows[["epoch", metric]].dropna().sort_values("epoch")
+            ax.plot(rows["epoch"], rows[metric], marker="o", label=labels[job])
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(metric)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle("learning curves")
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig: Figure, sweep_dir: str | Path, name: str) -> Path:
+    """Save as ``<sweep_dir>/sweep_analysis_<name>.png``; return the path."""
+    path = Path(sweep_dir) / f"sweep_analysis_{name}.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
