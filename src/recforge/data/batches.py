@@ -1,0 +1,45 @@
+"""Typed batches: what the data layer yields and the training tasks consume.
+
+Each model family consumes one batch type; a task never sees file formats and a model never sees
+Lightning. Lightning moves dataclass batches to the device field by field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SessionStep:
+    """One step of session-parallel mini-batching (GRU4Rec).
+
+    Row ``r`` is one active session slot. Before the step the task takes the previous step's hidden
+    state ``H`` (rows = previous slots), keeps ``H[keep]`` when ``keep`` is given (the batch shrank
+    because the sessions ran out), then zeroes the rows where ``reset`` is true (a new session entered
+    that slot). Then it feeds ``inputs`` and predicts ``targets``.
+
+    Shapes: inputs, targets, reset: ``[B']``; keep: ``[B']`` indices into the previous rows, or None.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    reset: torch.Tensor
+    keep: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.inputs.shape[0])
+
+    def carry_hidden(self, hidden: list[torch.Tensor] | None, widths: list[int]) -> list[torch.Tensor]:
+        """The hidden state for this step, from the previous step's (``None``: all zeros)."""
+        n = self.size
+        if hidden is None:
+            return [self.inputs.new_zeros((n, w), dtype=torch.float32) for w in widths]
+        out = []
+        for h in hidden:
+            if self.keep is not None:
+                h = h.index_select(0, self.keep)
+            h = h.masked_fill(self.reset.unsqueeze(1), 0.0)
+            out.append(h)
+        return out

@@ -1,0 +1,175 @@
+"""LightningDataModule for session data in the GRU4Rec text format."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+
+from recforge.data.batches import SessionStep
+from recforge.data.sessions.datasets import SessionParallelSteps
+from recforge.data.sessions.io import read_session_file
+from recforge.data.sessions.parallel import count_steps
+from recforge.data.sessions.store import ItemCatalog, SessionArrays
+from recforge.data.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
+
+log = logging.getLogger(__name__)
+
+
+class SessionDataModule(L.LightningDataModule):
+    """Session-parallel mini-batches from prepared GRU4Rec files (``SessionId ItemId Time``).
+
+    The item map and popularity come from the training file; validation and test events whose item
+    is unknown to it are deleted (sessions spliced), as the reference protocol does. Under DDP each
+    rank takes every world_size-th session and training steps are padded to the same count.
+    """
+
+    batch_type = SessionStep
+
+    def __init__(
+        self,
+        train_path: str | None,
+        test_path: str | None,
+        valid_path: str | None = None,
+        batch_size: int = 32,
+        eval_batch_size: int = 512,
+        session_key: str = "SessionId",
+        item_key: str = "ItemId",
+        time_key: str = "Time",
+    ) -> None:
+        super().__init__()
+        self.train_path = train_path
+        self.test_path = test_path
+        self.valid_path = valid_path
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.keys = dict(session_key=session_key, item_key=item_key, time_key=time_key)
+        self._catalog: ItemCatalog | None = None
+        self._splits: dict[str, SessionArrays] = {}
+        self._checkpoint_item_ids: np.ndarray | None = None
+
+    # ---------------------------------------------------------------- data
+    @property
+    def has_validation(self) -> bool:
+        return self.valid_path is not None
+
+    def _read(self, path: str | None, what: str):
+        if path is None:
+            raise ValueError(
+                f"data.{what}_path is not set: point it at a prepared GRU4Rec file "
+                f"(tab-separated SessionId ItemId Time with a header)"
+            )
+        return read_session_file(path, **self.keys)
+
+    @property
+    def catalog(self) -> ItemCatalog:
+        """Items and their popularity, from the training file (read once)."""
+        if self._catalog is None:
+            frame = self._read(self.train_path, "train")
+            self._catalog = ItemCatalog.from_events(frame["ItemId"])
+            self._splits["train"] = SessionArrays.from_frame(frame, self._catalog)
+            self._check_item_map()
+        return self._catalog
+
+    def split(self, name: str) -> SessionArrays:
+        if name not in self._splits:
+            catalog = self.catalog
+            if name != "train":
+                path = {"val": self.valid_path, "test": self.test_path}[name]
+                self._splits[name] = SessionArrays.from_frame(
+                    self._read(path, "valid" if name == "val" else name), catalog
+                )
+        return self._splits[name]
+
+    def setup(self, stage: str | None = None) -> None:
+        self.catalog  # noqa: B018 - reads train and builds the item map
+        if stage in ("fit", None):
+            self.split("train")
+            if self.has_validation:
+                self.split("val")
+        if stage in ("test", None):
+            self.split("test")
+        if stage == "validate" and self.has_validation:
+            self.split("val")
+
+    # ---------------------------------------------------------------- loaders
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def _min_train_rows(self) -> int:
+        # A task declares the smallest batch its loss can learn from (2 when the mini-batch's own
+        # targets are the only negatives); the data layer honours it without knowing the loss.
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return int(getattr(module, "min_batch_rows", 1))
+
+    def train_dataloader(self):
+        arrays = self.split("train")
+        rank, world = self._rank()
+        min_rows = self._min_train_rows()
+        pad_to = None
+        if world > 1:
+            pad_to = max(
+                count_steps(arrays.offsets, arrays.partition(r, world), self.batch_size, min_rows)
+                for r in range(world)
+            )
+        return SessionParallelSteps(
+            arrays, arrays.partition(rank, world), self.batch_size, min_rows, pad_to
+        )
+
+    def _eval_loader(self, name: str):
+        arrays = self.split(name)
+        rank, world = self._rank()
+        return SessionParallelSteps(arrays, arrays.partition(rank, world), self.eval_batch_size)
+
+    def val_dataloader(self):
+        if not self.has_validation:
+            return []
+        return self._eval_loader("val")
+
+    def test_dataloader(self):
+        return self._eval_loader("test")
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """The item map travels with the checkpoint so evaluation can check it scores the same items."""
+        catalog = self.catalog
+        digest = hashlib.sha256("\n".join(map(str, catalog.item_ids)).encode()).hexdigest()
+        return {"n_items": catalog.n_items, "item_map_sha256": digest}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._checkpoint_state = dict(state_dict)
+        self._check_item_map()
+
+    def _check_item_map(self) -> None:
+        state = getattr(self, "_checkpoint_state", None)
+        if state is None or self._catalog is None:
+            return
+        mine = self.state_dict()
+        if mine != state:
+            raise ValueError(
+                f"the checkpoint was trained on another item map ({state['n_items']} items, "
+                f"sha256 {state['item_map_sha256'][:12]}) than data.train_path={self.train_path} "
+                f"gives ({mine['n_items']} items, sha256 {mine['item_map_sha256'][:12]}): "
+                "point data.train_path at the training file of that run"
+            )
+
+
+class SyntheticSessionDataModule(SessionDataModule):
+    """Session data drawn from a learnable synthetic Markov chain, written once under ``cache_dir``."""
+
+    def __init__(self, cache_dir: str, generator: dict | None = None, **kwargs) -> None:
+        self.generator = SyntheticSessionsConfig(**(generator or {}))
+        self.cache_dir = Path(cache_dir)
+        paths = write_synthetic_dataset(self.generator, self.cache_dir)
+        # Tune on train_tr -> train_valid, report on test: the reference protocol, without leakage.
+        kwargs.setdefault("train_path", str(paths["train_tr"]))
+        kwargs.setdefault("valid_path", str(paths["train_valid"]))
+        kwargs.setdefault("test_path", str(paths["test"]))
+        super().__init__(**kwargs)
+        log.info("synthetic sessions %s in %s", asdict(self.generator), paths["train_full"].parent)

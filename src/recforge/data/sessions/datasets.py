@@ -1,0 +1,63 @@
+"""Iterable datasets that turn session arrays into :class:`SessionStep` batches."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from recforge.data.batches import SessionStep
+from recforge.data.sessions.parallel import count_steps, session_parallel_positions
+from recforge.data.sessions.store import SessionArrays
+
+
+class SessionParallelSteps(IterableDataset):
+    """One epoch of session-parallel steps over ``order`` (already the rank's share of sessions).
+
+    ``pad_to`` appends empty steps until that many were yielded: under DDP every rank must run the
+    same number of optimizer steps, or the gradient all-reduce waits forever.
+    """
+
+    def __init__(
+        self,
+        arrays: SessionArrays,
+        order: np.ndarray,
+        batch_size: int,
+        min_rows: int = 1,
+        pad_to: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.arrays = arrays
+        self.order = order
+        self.batch_size = batch_size
+        self.min_rows = min_rows
+        self.pad_to = pad_to
+        self._n_steps: int | None = None
+
+    def __iter__(self) -> Iterator[SessionStep]:
+        items = torch.from_numpy(self.arrays.items)
+        n = 0
+        for pos in session_parallel_positions(
+            self.arrays.offsets, self.order, self.batch_size, self.min_rows
+        ):
+            yield SessionStep(
+                inputs=items[torch.from_numpy(pos.inputs)],
+                targets=items[torch.from_numpy(pos.targets)],
+                reset=torch.from_numpy(pos.reset),
+                keep=None if pos.keep is None else torch.from_numpy(pos.keep),
+            )
+            n += 1
+        while self.pad_to is not None and n < self.pad_to:
+            empty = torch.zeros(0, dtype=torch.long)
+            yield SessionStep(empty, empty, torch.zeros(0, dtype=torch.bool), empty)
+            n += 1
+
+    def __len__(self) -> int:
+        if self.pad_to is not None:
+            return self.pad_to
+        if self._n_steps is None:
+            self._n_steps = count_steps(
+                self.arrays.offsets, self.order, self.batch_size, self.min_rows
+            )
+        return self._n_steps
