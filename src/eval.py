@@ -2,12 +2,16 @@
 import hydra
 from omegaconf import DictConfig
 
+from recforge.config_checks import IncompatibleConfigError
 from recforge.pipeline import evaluate
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    evaluate(cfg)
+    try:
+        evaluate(cfg)
+    except IncompatibleConfigError as error:
+        raise SystemExit(f"recforge: {error}") from None
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 import hydra
 from omegaconf import DictConfig
 
+from recforge.config_checks import IncompatibleConfigError
 from recforge.pipeline import metric_value, train
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    metrics = train(cfg)
+    try:
+        metrics = train(cfg)
+    except IncompatibleConfigError as error:
+        raise SystemExit(f"recforge: {error}") from None
     # Sweepers (Optuna) optimise the returned value.
     return metric_value(metrics, cfg.get("optimized_metric")) if cfg.get("train", True) else None
 

@@ -31,7 +31,7 @@ TINY_DATA = [
 CHEAP = [
     "trainer.max_epochs=1",
     "callbacks.progress_bar.refresh_rate=0",
-    "+trainer.enable_model_summary=false",
+    "trainer.enable_model_summary=false",
     "model.hidden_size=32",
     "task.sample_store_size=100000",
 ]
@@ -74,6 +74,10 @@ def make_cfg(tmp_path, data_dir):
 
     def _make(*overrides: str, name: str = "train", run: str = "run"):
         base = TINY_DATA + CHEAP if name == "train" else []
+        if any(o.startswith("data=") and o != "data=synthetic" for o in overrides):
+            base = [o for o in base if not o.startswith("data.generator.")]
+        if any(o.startswith(("debug=", "callbacks=")) for o in overrides):
+            base = [o for o in base if not o.startswith("callbacks.")]
         return compose_config(name, [*base, *overrides], tmp_path / run, data_dir)
 
     yield _make

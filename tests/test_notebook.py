@@ -74,7 +74,7 @@ def fake_sweep(tmp_path: Path) -> Path:
     """``<tmp>/logs/train/multiruns/2024-01-02_00-00-00`` with jobs 0 and 1 (model.hidden_size=16,32)."""
     sweep = tmp_path / "logs" / "train" / "multiruns" / "2024-01-02_00-00-00"
     for name, job in JOBS.items():
-        overrides = [f"model.hidden_size={job['hidden']}", "trainer.max_epochs=2", "+trainer.limit_train_batches=30"]
+        overrides = [f"model.hidden_size={job['hidden']}", "trainer.max_epochs=2", "trainer.limit_train_batches=30"]
         _write_job(sweep, name, overrides, job["metrics"], METRICS_CSV[name])
     (sweep / "multirun.yaml").write_text("{}\n")
     return sweep
@@ -230,9 +230,9 @@ def test_notebook_is_stored_clean():
 SWEEP_OVERRIDES = [
     "model.hidden_size=8,16",
     "trainer.max_epochs=2",
-    "+trainer.limit_train_batches=4",
-    "+trainer.limit_val_batches=1",
-    "+trainer.limit_test_batches=1",
+    "trainer.limit_train_batches=4",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
     "trainer.num_sanity_val_steps=0",
     "trainer.log_every_n_steps=2",
     "hardware=cpu",

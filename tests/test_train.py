@@ -103,7 +103,7 @@ def test_wandb_offline_writes_a_run(make_cfg, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    cfg = make_cfg("logger=wandb", "+trainer.limit_train_batches=20")
+    cfg = make_cfg("logger=wandb", "trainer.limit_train_batches=20")
     train(cfg)
     runs = list((Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs

@@ -61,7 +61,10 @@ def _instantiate_group(node: DictConfig | None) -> list[Any]:
 
 
 def _callbacks(cfg: DictConfig, has_validation: bool) -> list[L.Callback]:
-    node = OmegaConf.create(OmegaConf.to_container(cfg.get("callbacks") or {}, resolve=True))
+    callbacks_cfg = cfg.get("callbacks")
+    node = OmegaConf.create(
+        OmegaConf.to_container(callbacks_cfg, resolve=True) if callbacks_cfg else {}
+    )
     if not has_validation:
         # Nothing to monitor: keep the last checkpoint, stop by max_epochs.
         if "early_stopping" in node:
