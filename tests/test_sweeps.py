@@ -56,3 +56,16 @@ def test_submitit_launcher_through_its_local_executor(tmp_path, data_dir):
     sweep_dir, rows = _sweep(tmp_path, data_dir, "-m", "launcher=submitit_local", "model.hidden_size=16")
     assert len(rows) == 1 and rows[0]["status"] == "ok"
     assert (sweep_dir / ".submitit").is_dir()
+
+
+def test_multirun_with_every_logger_gives_each_job_its_own_wandb_run(tmp_path, data_dir, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    sweep_dir, rows = _sweep(tmp_path, data_dir, "-m", "logger=many_loggers", "loss=xe,bprmax")
+    assert len(rows) == 2
+    for job in ("0", "1"):
+        job_dir = sweep_dir / job
+        assert len(list((job_dir / "wandb").glob("offline-run-*"))) == 1, job
+        assert list((job_dir / "tensorboard").rglob("events.out.tfevents.*")), job
+        assert (job_dir / "csv" / "metrics.csv").exists(), job

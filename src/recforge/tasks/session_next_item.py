@@ -14,6 +14,7 @@ from recforge.data.negatives import PopularitySampler
 from recforge.kernels import target_rank_counts
 from recforge.losses.sampled import NEXT_ITEM_COLUMNS, SampledLoss
 from recforge.metrics import RankingMetrics
+from recforge.optim.clipping import clip_grad_norm_, clip_grad_value_
 
 # Ranking metrics are reduced inside RankingMetrics (count sums across ranks) before they are
 # logged, so Lightning's advice to sync_dist them would only average identical values.
@@ -137,6 +138,17 @@ class SessionNextItemTask(L.LightningModule):
             log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
         scores = self.model.score_columns(output, columns)
         return self.loss(scores, self.batch_size, log_q=log_q)
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        # Lightning's own clipping cannot take norms of the item tables' sparse gradients.
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm == "value":
+            clip_grad_value_(self.parameters(), gradient_clip_val)
+        else:
+            clip_grad_norm_(self.parameters(), gradient_clip_val)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._sampler is not None:
