@@ -61,6 +61,13 @@ REFERENCE = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (and OMP/MKL)")
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=("ACTIVE", "PASSIVE"),
+        default=None,
+        help="set OMP_WAIT_POLICY (default: leave it): PASSIVE stops idle OpenMP threads spinning, "
+        "which softens the collapse of a 2-thread run when another job shares the 2 cores",
+    )
     p.add_argument("--windows", type=int, default=5, help="measurement windows per figure")
     p.add_argument("--steps", type=int, default=300, help="training steps timed per window")
     p.add_argument("--warmup", type=int, default=50, help="untimed training steps before the windows")
@@ -116,8 +123,10 @@ def _csv(value: str, allowed, flag: str) -> list[str]:
     return items
 
 
-def fix_threads(n: int) -> None:
+def fix_threads(n: int, wait_policy: str | None = None) -> None:
     """Pin the thread count; must run before torch is imported for the env vars to count."""
+    if wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = wait_policy
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(n)
     import torch
@@ -498,7 +507,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    fix_threads(args.threads)
+    fix_threads(args.threads, args.omp_wait_policy)
     import lightning
     import torch
 
@@ -512,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     log(
         f"# torch {torch.__version__}, lightning {lightning.__version__}, python "
         f"{platform.python_version()}; threads: torch {torch.get_num_threads()} "
-        f"(OMP/MKL_NUM_THREADS={os.environ['OMP_NUM_THREADS']}), os.cpu_count()={os.cpu_count()}"
+        f"(OMP/MKL_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}), os.cpu_count()={os.cpu_count()}"
     )
     log(f"# CPU: {cpu_model()}; load average at start (1/5/15 min): {load_average()}")
     load_start = load_average()
@@ -593,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "cpu": cpu_model(),
         "load_average": {"start": load_start, "end": load_end},
         "windows": args.windows,

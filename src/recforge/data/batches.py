@@ -31,11 +31,16 @@ class SessionStep:
     def size(self) -> int:
         return int(self.inputs.shape[0])
 
-    def carry_hidden(self, hidden: list[torch.Tensor] | None, widths: list[int]) -> list[torch.Tensor]:
+    def carry_hidden(
+        self,
+        hidden: list[torch.Tensor] | None,
+        widths: list[int],
+        dtype: torch.dtype = torch.float32,
+    ) -> list[torch.Tensor]:
         """The hidden state for this step, from the previous step's (``None``: all zeros)."""
         n = self.size
         if hidden is None:
-            return [self.inputs.new_zeros((n, w), dtype=torch.float32) for w in widths]
+            return [self.inputs.new_zeros((n, w), dtype=dtype) for w in widths]
         out = []
         for h in hidden:
             if self.keep is not None:

@@ -47,7 +47,9 @@ class CrossEntropy(SampledLoss):
             if log_q is None:
                 raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
             scores = scores - self.logq * log_q.unsqueeze(0)
-        probs = torch.softmax(scores, dim=1)
+        # Written out (not torch.softmax) to round like the reference implementation.
+        e = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
+        probs = e / e.sum(dim=1, keepdim=True)
         return -torch.log(torch.diagonal(probs) + 1e-24).sum() / batch_size
 
 

@@ -138,6 +138,22 @@ class GRU4Rec(nn.Module):
             nn.init.zeros_(cell.bias_ih)
             nn.init.zeros_(cell.bias_hh)
 
+    def train_step(
+        self, items: torch.Tensor, hidden: list[torch.Tensor], columns: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One training step: scores ``[B, C]`` of ``columns`` after feeding ``items``.
+
+        In the shared-embedding mode the input rows and the output columns come from one lookup,
+        so their gradients reach ``Wy`` as one sparse tensor (summed once, as in the reference).
+        """
+        if not self.constrained_embedding:
+            output, new_hidden = self.step(items, hidden)
+            return self.score_columns(output, columns), new_hidden
+        rows = self.Wy(torch.cat([items, columns]))
+        x, weights = rows[: len(items)], rows[len(items) :]
+        output, new_hidden = self._recur(self._drop_embedding(x), hidden)
+        return output @ weights.T + self.By(columns).T, new_hidden
+
     def step(
         self, items: torch.Tensor, hidden: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -146,21 +162,25 @@ class GRU4Rec(nn.Module):
         Dropout is inverted and active in training only; the dropped-out output of a layer is both
         what the next layer sees and the state carried to the next step (as the reference does).
         """
-        new_hidden: list[torch.Tensor] = []
-        layer = 0
         if self.onehot is not None:
-            x = self.onehot(items, hidden[0])
-            x = F.dropout(x, self.dropout_p_embed, self.training)
+            # the one-hot layer's output takes the embedding dropout (as in the PyTorch reference)
+            x = self._drop_embedding(self.onehot(items, hidden[0]))
+            output, upper = self._recur(x, hidden[1:])
+            return output, [x, *upper]
+        table = self.Wy if self.constrained_embedding else self.E
+        return self._recur(self._drop_embedding(table(items)), hidden)
+
+    def _drop_embedding(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout_p_embed, self.training)
+
+    def _recur(
+        self, x: torch.Tensor, hidden: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the GRU cells on input ``x``, one hidden state per cell."""
+        new_hidden: list[torch.Tensor] = []
+        for cell, h in zip(self.cells, hidden):
+            x = F.dropout(cell(x, h), self.dropout_p_hidden, self.training)
             new_hidden.append(x)
-            layer = 1
-        else:
-            table = self.Wy if self.constrained_embedding else self.E
-            x = F.dropout(table(items), self.dropout_p_embed, self.training)
-        for cell in self.cells:
-            x = cell(x, hidden[layer])
-            x = F.dropout(x, self.dropout_p_hidden, self.training)
-            new_hidden.append(x)
-            layer += 1
         return x, new_hidden
 
     def score_columns(self, output: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ class SessionNextItemTask(L.LightningModule):
         popularity = torch.as_tensor(np.asarray(item_popularity), dtype=torch.float64)
         # float32 holds counts exactly up to 2**24 events per item
         self.register_buffer("popularity", popularity.float())
-        self.register_buffer("log_popularity", torch.log(popularity.clamp_min(1.0)).float())
+        self.register_buffer("log_popularity", torch.log(popularity.float().clamp_min(1.0)))
         evaluation = dict(evaluation)
         self.chunk_size = int(evaluation.pop("chunk_size", 8192))
         self.rank_kernel = str(evaluation.pop("kernel", "pytorch"))
@@ -127,16 +127,15 @@ class SessionNextItemTask(L.LightningModule):
         return loss
 
     def _train_loss(self, batch: SessionStep, hidden: list[torch.Tensor] | None) -> torch.Tensor:
-        state = batch.carry_hidden(hidden, self.model.state_widths)
-        output, new_state = self.model.step(batch.inputs, state)
-        self._train_hidden = [h.detach() for h in new_state]
+        state = batch.carry_hidden(hidden, self.model.state_widths, self.model.Wy.weight.dtype)
         columns, log_q = batch.targets, self.log_popularity[batch.targets]
         if self.sampler is not None:
             negatives = self.sampler.sample().to(self.device, non_blocking=True)
             columns = torch.cat([columns, negatives])
             # q of a sampled column is pop^alpha; of an in-batch target, its raw popularity
             log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
-        scores = self.model.score_columns(output, columns)
+        scores, new_state = self.model.train_step(batch.inputs, state, columns)
+        self._train_hidden = [h.detach() for h in new_state]
         return self.loss(scores, self.batch_size, log_q=log_q)
 
     def configure_gradient_clipping(
@@ -172,7 +171,7 @@ class SessionNextItemTask(L.LightningModule):
         self._eval_hidden = None
 
     def _rank_targets(self, batch: SessionStep, metrics: RankingMetrics) -> None:
-        state = batch.carry_hidden(self._eval_hidden, self.model.state_widths)
+        state = batch.carry_hidden(self._eval_hidden, self.model.state_widths, self.model.Wy.weight.dtype)
         output, self._eval_hidden = self.model.step(batch.inputs, state)
         weights, bias = self.model.item_weights()
         n_greater, n_equal = target_rank_counts(

@@ -11,7 +11,7 @@ import numpy as np
 
 from recforge.data.batches import SessionStep
 from recforge.data.sessions.datasets import SessionParallelSteps
-from recforge.data.sessions.io import read_session_file
+from recforge.data.sessions.io import read_session_file, sort_sessions
 from recforge.data.sessions.parallel import count_steps
 from recforge.data.sessions.store import ItemCatalog, SessionArrays
 from recforge.data.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
@@ -56,21 +56,22 @@ class SessionDataModule(L.LightningDataModule):
     def has_validation(self) -> bool:
         return self.valid_path is not None
 
-    def _read(self, path: str | None, what: str):
+    def _read(self, path: str | None, what: str, sort: bool = True):
         if path is None:
             raise ValueError(
                 f"data.{what}_path is not set: point it at a prepared GRU4Rec file "
                 f"(tab-separated SessionId ItemId Time with a header)"
             )
-        return read_session_file(path, **self.keys)
+        return read_session_file(path, **self.keys, sort=sort)
 
     @property
     def catalog(self) -> ItemCatalog:
         """Items and their popularity, from the training file (read once)."""
         if self._catalog is None:
-            frame = self._read(self.train_path, "train")
+            # Items are indexed in order of first appearance in the file, as the reference does.
+            frame = self._read(self.train_path, "train", sort=False)
             self._catalog = ItemCatalog.from_events(frame["ItemId"])
-            self._splits["train"] = SessionArrays.from_frame(frame, self._catalog)
+            self._splits["train"] = SessionArrays.from_frame(sort_sessions(frame), self._catalog)
             self._check_item_map()
         return self._catalog
 

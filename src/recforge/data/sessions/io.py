@@ -45,8 +45,12 @@ def read_session_file(
     session_key: str = SESSION_KEY,
     item_key: str = ITEM_KEY,
     time_key: str = TIME_KEY,
+    sort: bool = True,
 ) -> pd.DataFrame:
     """Read a GRU4Rec session file into a frame with columns SessionId, ItemId, Time.
+
+    With ``sort=False`` rows stay in file order (the reference builds its item map from that
+    order before it sorts); :func:`sort_sessions` sorts them later.
 
     ``session_key``/``item_key``/``time_key`` name the columns in the file's header; the returned
     frame always uses the canonical names. Extra columns are ignored. Raises ``SessionFileError``
@@ -93,7 +97,7 @@ def read_session_file(
         raise SessionFileError(f"{path}: missing or non-finite values in {item_key!r}/{time_key!r}")
 
     df = df[keys].rename(columns={session_key: SESSION_KEY, item_key: ITEM_KEY, time_key: TIME_KEY})
-    return _sort_sessions(df)
+    return sort_sessions(df) if sort else df.reset_index(drop=True)
 
 
 def write_session_file(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
@@ -206,7 +210,8 @@ def _shown(value: str) -> str:
     return repr(value) if value else "an empty or missing field"
 
 
-def _sort_sessions(df: pd.DataFrame) -> pd.DataFrame:
+def sort_sessions(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows sorted by (SessionId, Time); ties keep their order."""
     sid = df[SESSION_KEY].to_numpy()
     time = df[TIME_KEY].to_numpy()
     d_sid, d_time = np.diff(sid), np.diff(time)
