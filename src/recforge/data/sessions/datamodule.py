@@ -145,7 +145,10 @@ class SessionDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._checkpoint_state = dict(state_dict)
-        self._check_item_map()
+        if self._catalog is None:
+            self.catalog  # noqa: B018 - reading the train file runs the check
+        else:
+            self._check_item_map()
 
     def _check_item_map(self) -> None:
         state = getattr(self, "_checkpoint_state", None)
