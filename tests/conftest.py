@@ -6,6 +6,17 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run in its interpreter on CPU-only machines; the switch is read when a kernel is
+# defined, so it must be set before any kernel module is imported.
+if os.environ.get("TRITON_INTERPRET") is None and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:  # pragma: no cover
+        pass
+
 
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
