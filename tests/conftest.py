@@ -8,14 +8,11 @@ import pytest
 
 # Triton kernels run in its interpreter on CPU-only machines; the switch is read when a kernel is
 # defined, so it must be set before any kernel module is imported.
-if os.environ.get("TRITON_INTERPRET") is None and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-    try:
-        import torch
+if os.environ.get("TRITON_INTERPRET") is None:
+    import torch
 
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-    except ImportError:  # pragma: no cover
-        pass
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
