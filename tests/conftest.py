@@ -82,10 +82,14 @@ def make_cfg(tmp_path, data_dir):
 
     def _make(*overrides: str, name: str = "train", run: str = "run"):
         base = TINY_DATA + CHEAP if name == "train" else []
-        if any(o.startswith("data=") and o != "data=synthetic" for o in overrides):
-            base = [o for o in base if not o.startswith("data.generator.")]
         if any(o.startswith(("debug=", "callbacks=")) for o in overrides):
             base = [o for o in base if not o.startswith("callbacks.")]
+        if name == "train":
+            # shrink the generated dataset only where the composed data config generates one
+            probe = [o for o in base if not o.startswith("data.generator.")]
+            cfg = compose_config(name, [*probe, *overrides], tmp_path / run, data_dir)
+            if "generator" not in cfg.data:
+                return cfg
         return compose_config(name, [*base, *overrides], tmp_path / run, data_dir)
 
     yield _make

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from recforge.models.gru4rec import GRU4Rec, OneHotGRUCell
+from recforge.models.gru4rec import GRU4Rec, OneHotGRUCell, OriginalGRUCell
 
 N_ITEMS = 37
 
@@ -26,7 +26,22 @@ def naive_gru_cell(x, h, w_ih, w_hh, b_ih, b_hh):
     return (1.0 - z) * n + z * h
 
 
+def naive_original_cell(x, h, wx, wh, b):
+    """The original single-bias GRU, gate by gate: columns of wx / wh / b are blocks [c | r | z]."""
+    k = h.shape[1]
+    w_c, w_r, w_z = wx[:, :k], wx[:, k : 2 * k], wx[:, 2 * k :]
+    u_h, u_r, u_z = wh[:, :k], wh[:, k : 2 * k], wh[:, 2 * k :]
+    b_c, b_r, b_z = b[:k], b[k : 2 * k], b[2 * k :]
+    r = torch.sigmoid(x @ w_r + b_r + h @ u_r)
+    z = torch.sigmoid(x @ w_z + b_z + h @ u_z)
+    candidate = torch.tanh((r * h) @ u_h + x @ w_c + b_c)
+    return (1.0 - z) * h + z * candidate
+
+
 def naive_cell_from_module(cell, x, h):
+    if isinstance(cell, OriginalGRUCell):
+        return naive_original_cell(x, h, cell.Wx, cell.Wh, cell.bias)
+    assert isinstance(cell, torch.nn.GRUCell)
     return naive_gru_cell(x, h, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
 
 
@@ -118,15 +133,18 @@ def test_separate_embedding_uses_E():
     torch.testing.assert_close(model.step(ITEMS, hidden)[0], out)
 
 
+@pytest.mark.parametrize("cell", ["torch", "original"])
 @pytest.mark.parametrize("mode", ["constrained", "embedding", "onehot"])
-def test_multi_layer_stacking(mode):
+def test_multi_layer_stacking(mode, cell):
     kwargs = {
         "constrained": dict(constrained_embedding=True),
         "embedding": dict(embedding=3, constrained_embedding=False),
         "onehot": dict(embedding=0, constrained_embedding=False),
     }[mode]
-    model = make_model(layers=[5, 7, 4], **kwargs).eval()
+    model = make_model(layers=[5, 7, 4], cell=cell, **kwargs).eval()
     assert model.state_widths == [5, 7, 4]
+    cell_type = torch.nn.GRUCell if cell == "torch" else OriginalGRUCell
+    assert all(type(c) is cell_type for c in model.cells)
     hidden = random_state(model, len(ITEMS))
     out, new_hidden = model.step(ITEMS, hidden)
     cells = list(model.cells)
@@ -142,6 +160,130 @@ def test_multi_layer_stacking(mode):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, h3, rtol=1e-12, atol=1e-12)
     assert tuple(model.Wy.weight.shape) == (N_ITEMS, 4)
+
+
+# ----------------------------------------------------------------------------- original GRU cell
+@pytest.mark.parametrize("mode", ["constrained", "embedding"])
+def test_original_cell_step_equals_single_bias_formulation(mode):
+    kwargs = dict(constrained_embedding=True) if mode == "constrained" else dict(
+        embedding=4, constrained_embedding=False
+    )
+    model = make_model(hidden_size=6, cell="original", **kwargs).eval()
+    (cell,) = model.cells
+    assert isinstance(cell, OriginalGRUCell)
+    assert (cell.input_size, cell.hidden_size) == (6 if mode == "constrained" else 4, 6)
+    # One input-side bias of 3h, no recurrent bias (make_model randomised it).
+    assert tuple(cell.bias.shape) == (18,) and cell.bias.abs().sum() > 0
+    assert sorted(n for n, _ in cell.named_parameters()) == ["Wh", "Wx", "bias"]
+    hidden = random_state(model, len(ITEMS))
+    out, new_hidden = model.step(ITEMS, hidden)
+    table = model.Wy if mode == "constrained" else model.E
+    want = naive_original_cell(table.weight[ITEMS], hidden[0], cell.Wx, cell.Wh, cell.bias)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(new_hidden[0], want, rtol=1e-12, atol=1e-12)
+    # The training path (one shared lookup in the constrained mode) runs the same cell.
+    columns = torch.tensor([3, 0, 36, 3])
+    scores, _ = model.train_step(ITEMS, hidden, columns)
+    torch.testing.assert_close(scores, model.score_columns(want, columns), rtol=1e-12, atol=1e-12)
+
+
+def test_original_cell_gate_layout_hand_example():
+    # h = 1, input size 2: a = x·Wx + b = [c, r, z]; Wh = [u_h, u_r, u_z]. z gates the candidate.
+    cell = OriginalGRUCell(input_size=2, hidden_size=1).double()
+    with torch.no_grad():
+        cell.Wx.copy_(torch.tensor([[0.3, -0.2, 0.5], [0.1, 0.4, -0.6]], dtype=torch.float64))
+        cell.bias.copy_(torch.tensor([0.1, 0.2, -0.3], dtype=torch.float64))
+        cell.Wh.copy_(torch.tensor([[0.7, -0.4, 0.6]], dtype=torch.float64))
+    x = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    h = torch.tensor([[0.8]], dtype=torch.float64)
+    got = cell(x, h).item()
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    a_c, a_r, a_z = 0.3 + 0.2 + 0.1, -0.2 + 0.8 + 0.2, 0.5 - 1.2 - 0.3
+    r = sig(a_r + 0.8 * -0.4)
+    z = sig(a_z + 0.8 * 0.6)
+    cand = math.tanh(r * 0.8 * 0.7 + a_c)
+    assert got == pytest.approx((1 - z) * 0.8 + z * cand, rel=1e-12)
+
+
+def test_original_cell_matches_onehot_cell_on_one_hot_input():
+    # Same formulation: a dense cell fed explicit one-hot vectors is the one-hot row-lookup cell.
+    torch.manual_seed(4)
+    onehot = OneHotGRUCell(N_ITEMS, 5, sparse=False).double()
+    dense = OriginalGRUCell(N_ITEMS, 5).double()
+    with torch.no_grad():
+        dense.Wx.copy_(onehot.Wx.weight)
+        dense.Wh.copy_(onehot.Wh)
+        onehot.bias.normal_(0.0, 0.5)
+        dense.bias.copy_(onehot.bias)
+    h = torch.randn(len(ITEMS), 5, dtype=torch.float64)
+    x = F.one_hot(ITEMS, N_ITEMS).double()
+    torch.testing.assert_close(dense(x, h), onehot(ITEMS, h), rtol=1e-12, atol=1e-12)
+
+
+def _original_from_torch(torch_cell: torch.nn.GRUCell, negate_z: bool) -> OriginalGRUCell:
+    """An original cell with the torch cell's weights moved into the [c | r | z] layout."""
+    k = torch_cell.hidden_size
+    w_ih, w_hh, b_ih = torch_cell.weight_ih, torch_cell.weight_hh, torch_cell.bias_ih
+    sign = -1.0 if negate_z else 1.0
+    cell = OriginalGRUCell(torch_cell.input_size, k).double()
+    with torch.no_grad():
+        # torch rows are [r | z | n] of W (out x in); the original's columns are [c | r | z] of x·W.
+        cell.Wx.copy_(torch.cat([w_ih[2 * k :], w_ih[:k], sign * w_ih[k : 2 * k]]).T)
+        cell.Wh.copy_(torch.cat([w_hh[2 * k :], w_hh[:k], sign * w_hh[k : 2 * k]]).T)
+        cell.bias.copy_(torch.cat([b_ih[2 * k :], b_ih[:k], sign * b_ih[k : 2 * k]]))
+    return cell
+
+
+@pytest.mark.parametrize("negate_z", [False, True])
+def test_original_and_torch_cells_are_different_formulations(negate_z):
+    torch.manual_seed(5)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    h = torch.randn(6, 3, dtype=torch.float64) * 0.5
+    torch_cell = torch.nn.GRUCell(4, 3).double()
+    with torch.no_grad():
+        torch_cell.bias_hh.zero_()  # the original has no recurrent bias
+    original = _original_from_torch(torch_cell, negate_z)
+    # Same weights, same shapes, different results: z gates the other side, and r scales h before
+    # U_h (original) instead of after (torch). Flipping z's sign (z -> 1 - z) removes only the first.
+    diff = (original(x, h) - torch_cell(x, h)).abs().max().item()
+    assert diff > 1e-3
+    n_torch = sum(p.numel() for p in torch_cell.parameters())
+    assert n_torch - sum(p.numel() for p in original.parameters()) == 3 * 3  # no recurrent bias
+
+
+def test_original_and_torch_cells_agree_only_where_the_formulations_coincide():
+    # With one unit, r ⊙ (h·U_h) = (r ⊙ h)·U_h; with z's sign flipped the z-gating also lines up,
+    # so the two cells agree exactly: the mapping above is right and only the formulas differ.
+    torch.manual_seed(6)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    h = torch.randn(6, 1, dtype=torch.float64)
+    torch_cell = torch.nn.GRUCell(4, 1).double()
+    with torch.no_grad():
+        torch_cell.bias_hh.zero_()
+    original = _original_from_torch(torch_cell, negate_z=True)
+    torch.testing.assert_close(original(x, h), torch_cell(x, h), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["constrained", "onehot"])
+def test_torch_and_original_models_differ(mode):
+    kwargs = dict(constrained_embedding=True) if mode == "constrained" else dict(
+        embedding=0, constrained_embedding=False
+    )
+    outs = {}
+    for cell in ("torch", "original"):
+        model = make_model(seed=0, layers=[6, 6], cell=cell, **kwargs).eval()
+        outs[cell] = model.step(ITEMS, random_state(model, len(ITEMS)))[0]
+    assert (outs["torch"] - outs["original"]).abs().max() > 1e-3
+
+
+def test_original_cell_gradients_reach_every_parameter():
+    model = make_model(layers=[5, 4], cell="original").train()
+    hidden = random_state(model, len(ITEMS))
+    scores, _ = model.train_step(ITEMS, hidden, torch.tensor([1, 2, 3]))
+    scores.pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        if name.startswith("cells."):
+            assert p.grad is not None and not p.grad.is_sparse and p.grad.abs().sum() > 0, name
 
 
 # ----------------------------------------------------------------------------- dropout
@@ -238,6 +380,7 @@ def _assert_uniform_block(block, fan_in, fan_out):
         assert abs(block.mean().item()) < 0.2 * bound
 
 
+@pytest.mark.parametrize("cell_kind", ["torch", "original"])
 @pytest.mark.parametrize(
     "kwargs,first_in",
     [
@@ -246,9 +389,9 @@ def _assert_uniform_block(block, fan_in, fan_out):
         (dict(layers=[24, 16], embedding=0, constrained_embedding=False), None),
     ],
 )
-def test_init_per_gate_block_bounds_and_zero_biases(kwargs, first_in):
+def test_init_per_gate_block_bounds_and_zero_biases(kwargs, first_in, cell_kind):
     torch.manual_seed(0)
-    model = GRU4Rec(n_items=200, **kwargs)
+    model = GRU4Rec(n_items=200, cell=cell_kind, **kwargs)
     _assert_uniform_block(model.Wy.weight, 200, 16)
     assert not model.By.weight.any()
     if model.E is not None:
@@ -267,11 +410,32 @@ def test_init_per_gate_block_bounds_and_zero_biases(kwargs, first_in):
     for cell in cells:
         h = cell.hidden_size
         assert cell.input_size == in_size
-        for k in range(3):
-            _assert_uniform_block(cell.weight_ih[k * h : (k + 1) * h], cell.input_size, h)
-            _assert_uniform_block(cell.weight_hh[k * h : (k + 1) * h], h, h)
-        assert not cell.bias_ih.any() and not cell.bias_hh.any()
+        if cell_kind == "original":
+            assert isinstance(cell, OriginalGRUCell)
+            assert tuple(cell.Wx.shape) == (in_size, 3 * h) and tuple(cell.Wh.shape) == (h, 3 * h)
+            for k in range(3):
+                _assert_uniform_block(cell.Wx[:, k * h : (k + 1) * h], cell.input_size, h)
+                _assert_uniform_block(cell.Wh[:, k * h : (k + 1) * h], h, h)
+            assert not cell.bias.any()
+        else:
+            assert isinstance(cell, torch.nn.GRUCell)
+            for k in range(3):
+                _assert_uniform_block(cell.weight_ih[k * h : (k + 1) * h], cell.input_size, h)
+                _assert_uniform_block(cell.weight_hh[k * h : (k + 1) * h], h, h)
+            assert not cell.bias_ih.any() and not cell.bias_hh.any()
         in_size = h
+
+
+def test_reset_parameters_redraws_original_cells():
+    torch.manual_seed(0)
+    model = GRU4Rec(n_items=50, layers=[8, 8], cell="original")
+    with torch.no_grad():
+        for p in model.cells.parameters():
+            p.fill_(5.0)
+    model.reset_parameters()
+    for cell in model.cells:
+        assert not cell.bias.any()
+        assert cell.Wx.abs().max() <= math.sqrt(6.0 / 16) and cell.Wh.abs().max() <= math.sqrt(6.0 / 16)
 
 
 def test_invalid_configurations_raise():
@@ -279,6 +443,13 @@ def test_invalid_configurations_raise():
         GRU4Rec(n_items=10, hidden_size=4, embedding=3, constrained_embedding=True)
     with pytest.raises(ValueError):
         GRU4Rec(n_items=10, layers=[4, 0])
+    with pytest.raises(ValueError, match="cell"):
+        GRU4Rec(n_items=10, hidden_size=4, cell="lstm")
+
+
+def test_default_cell_is_torch():
+    model = GRU4Rec(n_items=10, hidden_size=4)
+    assert model.cell == "torch" and isinstance(model.cells[0], torch.nn.GRUCell)
 
 
 # ----------------------------------------------------------------------------- sparse gradients

@@ -6,18 +6,76 @@ infeasible for large catalogues, so the catalogue is streamed in chunks of
 ``chunk_size`` items and only per-row counts are kept. Turning counts into ranks
 (and choosing a tie policy) is left to :func:`recforge.metrics.ranks_from_counts`.
 
-This module imports only torch: a Triton twin will later sit behind ``impl``.
+The code here is the PyTorch reference and the CPU path; ``impl="triton"`` selects the Triton twin
+in :mod:`recforge.kernels.target_rank_triton`, imported lazily so that this module needs only torch.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
 
 __all__ = ["IMPLS", "target_rank_counts", "target_rank_counts_reference"]
 
-#: Implementations accepted by :func:`target_rank_counts` (``"triton"`` arrives later).
-IMPLS: tuple[str, ...] = ("pytorch",)
+#: Implementations accepted by :func:`target_rank_counts`.
+IMPLS: tuple[str, ...] = ("pytorch", "triton")
+
+# Lazily imported Triton twin: None = not tried yet, False = import failed.
+_TRITON_MODULE = None
+_TRITON_IMPORT_ERROR: str | None = None
+# Whether the "Triton unusable, falling back" warning was already given (once per process).
+_WARNED = False
+
+
+def _triton_module():
+    global _TRITON_MODULE, _TRITON_IMPORT_ERROR
+    if _TRITON_MODULE is None:
+        try:
+            from recforge.kernels import target_rank_triton
+        except Exception as exc:  # ImportError, or a broken Triton install failing on import
+            _TRITON_MODULE = False
+            _TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+        else:
+            _TRITON_MODULE = target_rank_triton
+    return _TRITON_MODULE or None
+
+
+def _triton_available() -> bool:
+    """Whether the Triton twin imports (tests patch this to simulate a machine without Triton)."""
+    return _triton_module() is not None
+
+
+def _triton_unusable_reason(*tensors: Tensor) -> str | None:
+    """Why the Triton twin cannot take these tensors, or None when it can."""
+    if not _triton_available():
+        return f"Triton could not be imported ({_TRITON_IMPORT_ERROR or 'unavailable'})"
+    module = _triton_module()
+    dtypes = {t.dtype for t in tensors}
+    if not dtypes <= set(module.KERNEL_DTYPES):
+        names = ", ".join(sorted(str(d) for d in dtypes - set(module.KERNEL_DTYPES)))
+        return f"the kernel accumulates in float32 and does not take {names}"
+    if tensors[0].device.type == "cuda":
+        return None
+    # The interpreter is chosen when the kernel is defined, so the module knows; the environment
+    # variable is named in the message because that is what a user sets.
+    if module.interpreted():
+        return None
+    return f"tensors are on {tensors[0].device.type} and TRITON_INTERPRET=1 was not set"
+
+
+def _warn_fallback(reason: str) -> None:
+    global _WARNED
+    if _WARNED:
+        return
+    _WARNED = True
+    warnings.warn(
+        f"target_rank_counts(impl='triton'): {reason}; using the PyTorch implementation "
+        "(this warning is shown once)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -97,8 +155,12 @@ def target_rank_counts(
         item_weights: ``[N, d]`` floating point.
         item_bias: ``[N]`` floating point, or ``None``.
         targets: ``[B]`` integer item ids in ``[0, N)``.
-        chunk_size: items scored per step; peak extra memory is ``O(B * chunk_size)``.
-        impl: implementation, one of :data:`IMPLS`.
+        chunk_size: items scored per step; peak extra memory is ``O(B * chunk_size)``
+            (the PyTorch path; the Triton kernel picks its own tiles).
+        impl: implementation, one of :data:`IMPLS`. ``"triton"`` runs the fused kernel on CUDA
+            tensors, or on CPU tensors under ``TRITON_INTERPRET=1``; otherwise (no Triton, CPU
+            without the interpreter, float64 inputs) it falls back to ``"pytorch"`` with one
+            warning per process.
 
     Returns:
         ``(n_greater, n_equal)``, both ``[B]`` int64: items scoring strictly higher
@@ -109,6 +171,13 @@ def target_rank_counts(
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
     _validate(queries, item_weights, item_bias, targets, chunk_size)
+
+    if impl == "triton":
+        tensors = [queries, item_weights] + ([item_bias] if item_bias is not None else [])
+        reason = _triton_unusable_reason(*tensors)
+        if reason is None:
+            return _triton_module().target_rank_counts_triton(queries, item_weights, item_bias, targets)
+        _warn_fallback(reason)
 
     dtypes = [queries.dtype, item_weights.dtype]
     if item_bias is not None:

@@ -53,6 +53,19 @@ class CrossEntropy(SampledLoss):
         return -torch.log(torch.diagonal(probs) + 1e-24).sum() / batch_size
 
 
+def _negatives_softmax(r: torch.Tensor) -> torch.Tensor:
+    """Row-wise softmax over each row's negatives (its target column gets weight 0)."""
+    n_rows = r.shape[0]
+    off_diag = torch.ones_like(r)
+    off_diag[:, :n_rows].fill_diagonal_(0.0)
+    # Mask, then subtract the row max over the masked matrix (the zeroed diagonal takes part),
+    # exponentiate and mask again, as the reference does: the max shift only has to be some upper
+    # bound for stability, and matching it keeps rounding identical.
+    masked = r * off_diag
+    e = torch.exp(masked - masked.max(dim=1, keepdim=True).values) * off_diag
+    return e / e.sum(dim=1, keepdim=True)
+
+
 class BPRMax(SampledLoss):
     """BPR-max: -log sum_j s_ij σ(r_ii - r_ij) + bpreg sum_j s_ij r_ij², j over negatives only.
 
@@ -72,15 +85,69 @@ class BPRMax(SampledLoss):
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
     ) -> torch.Tensor:
         r = self.activation(scores)
-        n_rows = r.shape[0]
-        off_diag = torch.ones_like(r)
-        off_diag[:, :n_rows].fill_diagonal_(0.0)
-        # Mask, then subtract the row max over the masked matrix (the zeroed diagonal takes part),
-        # exponentiate and mask again: a softmax over the negatives only.
-        masked = r * off_diag
-        e = torch.exp(masked - masked.max(dim=1, keepdim=True).values) * off_diag
-        s = e / e.sum(dim=1, keepdim=True)
+        s = _negatives_softmax(r)
         target = torch.diagonal(r).unsqueeze(1)
         pairwise = (s * torch.sigmoid(target - r)).sum(dim=1)
         loss = -torch.log(pairwise + 1e-24) + self.bpreg * (s * r * r).sum(dim=1)
         return loss.sum() / batch_size
+
+
+class TOP1Max(SampledLoss):
+    """TOP1-max: sum_j s_ij (σ(r_ij - r_ii) + σ(r_ij²)), j over negatives only (spec §1.4).
+
+    s_ij is the same negatives-only softmax as in BPR-max, not detached. With ``elu_param > 0``
+    the scores first pass through ELU(alpha=elu_param); 0 keeps them linear.
+    """
+
+    def __init__(self, elu_param: float = 0.0) -> None:
+        super().__init__()
+        self.elu_param = float(elu_param)
+
+    def activation(self, scores: torch.Tensor) -> torch.Tensor:
+        return F.elu(scores, alpha=self.elu_param) if self.elu_param > 0 else scores
+
+    def forward(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        r = self.activation(scores)
+        s = _negatives_softmax(r)
+        target = torch.diagonal(r).unsqueeze(1)
+        # The target column carries weight 0 in s, so summing over all columns is the sum over
+        # negatives.
+        loss = (s * (torch.sigmoid(r - target) + torch.sigmoid(r * r))).sum(dim=1)
+        return loss.sum() / batch_size
+
+
+class TOP1(SampledLoss):
+    """Legacy TOP1: mean_j [σ(r_ij - r_ii) + σ(r_ij²)] - σ(r_ii²)/C, j over all C columns.
+
+    The subtracted term removes the target's own score regulariser from the mean; its pairwise
+    term σ(0) = 1/2 stays in, as in the reference. Not recommended (vanishing gradients).
+    """
+
+    def forward(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        n_cols = scores.shape[1]
+        target = torch.diagonal(scores).unsqueeze(1)
+        per_row = (torch.sigmoid(scores - target) + torch.sigmoid(scores * scores)).mean(dim=1)
+        loss = per_row - torch.sigmoid(target.squeeze(1) ** 2) / n_cols
+        return loss.sum() / batch_size
+
+
+class BPR(SampledLoss):
+    """Legacy BPR: -sum_j log σ(r_ii - r_ij), j over all columns including i.
+
+    A *sum* over the columns, not a mean: the spec writes Σ_j, and the reference (Theano
+    ``gru4rec.py`` at the commit the spec read) sums the whole matrix before the cost is divided by
+    the batch size (older Theano versions took a mean over every entry instead). The j = i term is
+    the constant log 2, kept so values match the reference. Not recommended (vanishing gradients).
+    """
+
+    def forward(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        target = torch.diagonal(scores).unsqueeze(1)
+        # logsigmoid instead of log(sigmoid(.)): the same value, but it does not underflow to
+        # -inf for a badly ranked target (Theano rewrites log(sigmoid) into softplus the same way).
+        return -F.logsigmoid(target - scores).sum() / batch_size

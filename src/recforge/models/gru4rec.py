@@ -19,7 +19,51 @@ def _uniform_(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
         tensor.uniform_(-bound, bound)
 
 
-class OneHotGRUCell(nn.Module):
+class _SingleBiasGRU(nn.Module):
+    """The original GRU formulation (Theano GRU4Rec; Cho et al. "version 1"), shared by its cells.
+
+    One input-side bias of size 3h and no recurrent bias; the input projection ``a = x·Wx + b`` and
+    the recurrent weights ``Wh = [U_h | U_r | U_z]`` are both laid out as blocks
+    [candidate | reset | update]:
+
+        r = σ(a_r + h·U_r),  z = σ(a_z + h·U_z),  ĥ = tanh((r ⊙ h)·U_h + a_c),
+        h' = (1 - z) ⊙ h + z ⊙ ĥ
+
+    Unlike nn.GRUCell, r scales h *before* U_h and z gates the candidate, not the old state.
+    Subclasses own ``Wx`` (how the input is projected) and call :meth:`_gates`.
+    """
+
+    hidden_size: int
+    bias: nn.Parameter
+    Wh: nn.Parameter
+
+    def _input_weight(self) -> torch.Tensor:
+        """The input weights as ``[fan_in, 3h]`` (for the per-block init)."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Uniform ±sqrt(6/(fan_in+fan_out)) per gate block, zero bias (spec §1.7)."""
+        h = self.hidden_size
+        wx = self._input_weight()
+        # Input and recurrent blocks interleaved per gate: the draw order seeded runs depend on.
+        for k in range(3):
+            _uniform_(wx[:, k * h : (k + 1) * h], wx.shape[0], h)
+            _uniform_(self.Wh[:, k * h : (k + 1) * h], h, h)
+        nn.init.zeros_(self.bias)
+
+    def _gates(self, a: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """a = x·Wx + b ``[B, 3h]``, hidden ``[B, h]`` -> new hidden ``[B, h]``."""
+        h = self.hidden_size
+        a_c, a_r, a_z = a[:, :h], a[:, h : 2 * h], a[:, 2 * h :]
+        # r and z from one matmul over the [U_r | U_z] half.
+        u = hidden @ self.Wh[:, h:]
+        r = torch.sigmoid(a_r + u[:, :h])
+        z = torch.sigmoid(a_z + u[:, h:])
+        candidate = torch.tanh((r * hidden) @ self.Wh[:, :h] + a_c)
+        return (1.0 - z) * hidden + z * candidate
+
+
+class OneHotGRUCell(_SingleBiasGRU):
     """First GRU layer fed by a one-hot item vector, in the original single-bias formulation.
 
     Multiplying a one-hot vector by the input weights selects a row, so the input side is a sparse
@@ -35,23 +79,39 @@ class OneHotGRUCell(nn.Module):
         self.Wh = nn.Parameter(torch.empty(hidden_size, 3 * hidden_size))
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        h = self.hidden_size
-        for k in range(3):
-            _uniform_(self.Wx.weight[:, k * h : (k + 1) * h], self.Wx.num_embeddings, h)
-            _uniform_(self.Wh[:, k * h : (k + 1) * h], h, h)
-        nn.init.zeros_(self.bias)
+    def _input_weight(self) -> torch.Tensor:
+        return self.Wx.weight
 
     def forward(self, items: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """items ``[B]``, hidden ``[B, h]`` -> new hidden ``[B, h]``."""
-        h = self.hidden_size
-        a = self.Wx(items) + self.bias
-        a_c, a_r, a_z = a[:, :h], a[:, h : 2 * h], a[:, 2 * h :]
-        u = hidden @ self.Wh[:, h:]
-        r = torch.sigmoid(a_r + u[:, :h])
-        z = torch.sigmoid(a_z + u[:, h:])
-        candidate = torch.tanh((r * hidden) @ self.Wh[:, :h] + a_c)
-        return (1.0 - z) * hidden + z * candidate
+        return self._gates(self.Wx(items) + self.bias, hidden)
+
+
+class OriginalGRUCell(_SingleBiasGRU):
+    """A dense-input GRU cell in the original single-bias formulation; a drop-in for nn.GRUCell.
+
+    Called like nn.GRUCell, ``(x [B, input_size], h [B, hidden_size]) -> h'``, but with the
+    Theano reference's formulas (see :class:`_SingleBiasGRU`): one 3h bias instead of two, so it
+    is cheaper and has 3h fewer parameters. ``Wx`` is ``[input_size, 3h]`` (x·Wx, as in Theano).
+    """
+
+    def __init__(self, input_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.Wx = nn.Parameter(torch.empty(input_size, 3 * hidden_size))
+        self.bias = nn.Parameter(torch.zeros(3 * hidden_size))
+        self.Wh = nn.Parameter(torch.empty(hidden_size, 3 * hidden_size))
+        self.reset_parameters()
+
+    def _input_weight(self) -> torch.Tensor:
+        return self.Wx
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self._gates(torch.addmm(self.bias, x, self.Wx), hidden)
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.hidden_size}"
 
 
 class GRU4Rec(nn.Module):
@@ -62,6 +122,11 @@ class GRU4Rec(nn.Module):
         ``Wy`` (one tensor serves as input embedding and output weights; the published best setup);
       * ``embedding=k > 0``: a separate input table ``E`` of width k;
       * ``embedding=0``: one-hot input (the first layer's input weights are a row lookup).
+
+    ``cell`` picks the formulation of the layers fed by a dense vector: ``"torch"`` (nn.GRUCell,
+    two biases, as the PyTorch port) or ``"original"`` (the Theano single-bias cell,
+    :class:`OriginalGRUCell`). The one-hot first layer is always the original formulation, as in
+    both references.
 
     Shapes: items ``[B]``; hidden state a list with one ``[B, h_l]`` tensor per layer; ``step``
     returns the last layer's output ``[B, d]`` (d = last layer size), ``score_columns`` ``[B, C]``.
@@ -78,8 +143,12 @@ class GRU4Rec(nn.Module):
         dropout_p_embed: float = 0.0,
         dropout_p_hidden: float = 0.0,
         sparse_embeddings: bool = True,
+        cell: str = "torch",
     ) -> None:
         super().__init__()
+        if cell not in ("torch", "original"):
+            raise ValueError(f"model.cell must be 'torch' or 'original', got {cell!r}")
+        self.cell = cell
         self.layers = [int(x) for x in layers] if layers else [int(hidden_size)] * int(num_layers)
         if not self.layers or min(self.layers) < 1:
             raise ValueError(f"model.layers must be positive sizes, got {self.layers}")
@@ -112,7 +181,7 @@ class GRU4Rec(nn.Module):
             if i == 0 and self.onehot is not None:
                 in_size = h
                 continue
-            cells.append(nn.GRUCell(in_size, h))
+            cells.append(nn.GRUCell(in_size, h) if cell == "torch" else OriginalGRUCell(in_size, h))
             in_size = h
         self.cells = nn.ModuleList(cells)
         self.reset_parameters()
@@ -131,6 +200,9 @@ class GRU4Rec(nn.Module):
         if self.onehot is not None:
             self.onehot.reset_parameters()
         for cell in self.cells:
+            if not isinstance(cell, nn.GRUCell):
+                cell.reset_parameters()
+                continue
             h = cell.hidden_size
             for k in range(3):
                 _uniform_(cell.weight_ih[k * h : (k + 1) * h], cell.input_size, h)
