@@ -74,7 +74,8 @@ def _warn_fallback(reason: str) -> None:
         f"target_rank_counts(impl='triton'): {reason}; using the PyTorch implementation "
         "(this warning is shown once)",
         RuntimeWarning,
-        stacklevel=3,
+        # past this helper, target_rank_counts and torch.no_grad's wrapper: the caller's line
+        stacklevel=4,
     )
 
 

@@ -186,9 +186,10 @@ def target_rank_counts_triton(
     n_tiles = triton.cdiv(n_items, block_n)
     if n_splits is None:
         if on_gpu:
-            # ~4 programs per SM hides load latency; a split costs one extra (target) tile.
+            # ~4 programs per SM hides load latency; each split re-scores its rows' targets (one
+            # extra tile), so splits keep >= 8 tiles to bound that overhead at 1/8.
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            n_splits = triton.cdiv(4 * sms, row_blocks)
+            n_splits = min(triton.cdiv(4 * sms, row_blocks), triton.cdiv(n_tiles, 8))
         else:
             n_splits = 1
     n_splits = max(1, min(int(n_splits), n_tiles))
@@ -196,12 +197,12 @@ def target_rank_counts_triton(
     n_splits = triton.cdiv(n_tiles, tiles_per_split)  # no program left with nothing to do
 
     # Mixed or fp32 inputs are read as fp32; matching half types go to tl.dot as they are (exact
-    # products, fp32 accumulation), except under the interpreter, whose dot multiplies bf16's raw
-    # uint16 storage (Triton 3.x): there they are upcast, which gives the same products.
+    # products, fp32 accumulation), except bf16 under the interpreter, whose dot multiplies bf16's
+    # raw uint16 storage (Triton 3.x): upcasting gives the same products.
     upcast = (
         queries.dtype != item_weights.dtype
         or queries.dtype == torch.float32
-        or not on_gpu
+        or (queries.dtype == torch.bfloat16 and not on_gpu)
     )
     targets = targets.to(device=device, dtype=torch.int64).contiguous()
     greater = torch.empty((n_splits, n_rows), dtype=torch.int32, device=device)

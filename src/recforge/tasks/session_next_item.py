@@ -29,7 +29,7 @@ class SessionNextItemTask(L.LightningModule):
     every target to a :class:`RankingMetrics` whose sums DDP reduces.
 
     Args:
-        model: factory ``(n_items=...) -> nn.Module`` with ``step``, ``score_columns``,
+        model: factory ``(n_items=...) -> nn.Module`` with ``train_step``, ``step``,
             ``item_weights`` and ``state_widths`` (see :class:`recforge.models.gru4rec.GRU4Rec`).
         loss: a sampled next-item loss.
         optimizer: factory ``(params) -> torch.optim.Optimizer``.
