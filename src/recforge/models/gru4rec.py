@@ -201,6 +201,7 @@ class GRU4Rec(nn.Module):
             self.onehot.reset_parameters()
         for cell in self.cells:
             if not isinstance(cell, nn.GRUCell):
+                # single-bias cells own their per-block init (shared with the one-hot cell)
                 cell.reset_parameters()
                 continue
             h = cell.hidden_size

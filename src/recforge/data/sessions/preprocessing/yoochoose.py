@@ -50,7 +50,7 @@ def read_clicks(paths: Sequence[Path], chunksize: int, *, whole_seconds: bool) -
     for path in paths:
         for chunk in iter_chunks(path, CLICKS, chunksize):
             micros = chunk["time"].to_numpy()
-            seconds = micros / 1e6
+            seconds = micros // 1_000_000 if whole_seconds else micros / 1e6
             sids.append(chunk["sid"].to_numpy())
             times.append(seconds.astype(np.float64))
             items.append(chunk["item"].to_numpy())
