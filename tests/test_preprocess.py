@@ -158,7 +158,7 @@ CASCADE = [
     (4, "S", 7.0),
     (5, "T", 8.0), (5, "U", 9.0),
     (6, "T", 10.0), (6, "U", 11.0),
-]  # fmt: skip
+]
 
 
 def test_filter_support_iterates_until_stable():
@@ -187,7 +187,7 @@ def test_rsc15_filter_is_a_single_pass():
         (2, "Q", 3.0), (2, "R", 4.0),
         (5, "T", 8.0), (5, "U", 9.0),
         (6, "T", 10.0), (6, "U", 11.0),
-    ]  # fmt: skip
+    ]
     # Default support 5: nothing here reaches it.
     assert rsc15_filter(frame(CASCADE)).empty
 
@@ -201,7 +201,7 @@ SPLIT_INPUT = [
     (3, "B", 90.0), (3, "A", 92.0),  # starts exactly at 90: test
     (4, "A", 88.0), (4, "B", 91.0),  # crosses 90: [A] is length 1, dropped; not in test
     (5, "Z", 95.0), (5, "A", 100.0),  # test, with Z never seen in train: kept
-]  # fmt: skip
+]
 
 
 def test_time_split_boundaries():
@@ -211,11 +211,11 @@ def test_time_split_boundaries():
         (1, "A", 80.0), (1, "B", 85.0),
         (2, "A", 85.0), (2, "B", 89.0),
         (6, "A", 75.0), (6, "B", 82.0),
-    ]  # fmt: skip
+    ]
     assert sorted_rows(test) == [
         (3, "B", 90.0), (3, "A", 92.0),
         (5, "Z", 95.0), (5, "A", 100.0),
-    ]  # fmt: skip
+    ]
 
 
 def test_train_test_valid_splits_train_full_at_twice_tday():
@@ -224,7 +224,7 @@ def test_train_test_valid_splits_train_full_at_twice_tday():
     assert sorted_rows(splits["train_valid"]) == [
         (1, "A", 80.0), (1, "B", 85.0),
         (2, "A", 85.0), (2, "B", 89.0),  # the truncated train_full session
-    ]  # fmt: skip
+    ]
     assert len(splits["train_full"]) == 8 and len(splits["test"]) == 4
 
 
@@ -238,7 +238,7 @@ def test_rsc15_split_uses_last_event_and_train_items():
             (4, "A", 92.0), (4, "Z", 94.0),  # Z unknown to train -> [A] -> too short: dropped
             (5, "B", 96.0), (5, "B", 100.0),  # repeated item: no dedup in RSC15
         ]
-    )  # fmt: skip
+    )
     train, test = rsc15_split(df, tday=10.0)
     assert rows_of(train) == [(1, "A", 10.0), (1, "B", 20.0), (2, "B", 30.0), (2, "C", 40.0)]
     assert rows_of(test) == [(3, "A", 85.0), (3, "C", 95.0), (5, "B", 96.0), (5, "B", 100.0)]
@@ -289,7 +289,7 @@ RSC15_EXPECTED = {
         (2, "200", 1396177200.0), (2, "300", 1396177230.25),
     ],
     "train_valid": [(3, "300", 1396342800.0), (3, "100", 1396343400.0)],
-}  # fmt: skip
+}
 
 
 def test_rsc15_end_to_end(tmp_path):
@@ -350,7 +350,7 @@ def test_yoochoose_end_to_end(tmp_path):
                 (3, "100", 1396432800.0), (3, "200", 1396433040.0),
             ],
         },
-    )  # fmt: skip
+    )
     # The same directory given instead of the two files finds them by their public names.
     again = prepare("yoochoose", tmp_path, tmp_path / "out2", min_item_support=2)
     assert file_rows(again["test"]) == file_rows(paths["test"])
@@ -385,7 +385,7 @@ def test_retailrocket_end_to_end(tmp_path):
         (0, "10", 1441904400000.0), (0, "20", 1441909200000.0), (0, "30", 1441912800000.0),
         (1, "10", 1441916400001.0), (1, "20", 1441917000000.0),
         (2, "30", 1441939200000.0), (2, "10", 1441939800000.0),
-    ]  # fmt: skip
+    ]
     check_outputs(
         paths,
         {
@@ -438,7 +438,7 @@ def test_diginetica_end_to_end(tmp_path):
             ],
             "train_valid": [(6, "20", 1462665600000.0), (6, "10", 1462665601000.0)],
         },
-    )  # fmt: skip
+    )
 
 
 def test_coveo_end_to_end(tmp_path):
@@ -468,7 +468,7 @@ def test_coveo_end_to_end(tmp_path):
     valid = [
         (1, "pa", 1599870460000.0), (1, "pb", 1599870520000.0),
         (2, "pb", 1599874180000.0), (2, "pa", 1599874240000.0),
-    ]  # fmt: skip
+    ]
     train_tr = [(0, "pa", 1599568120000.0), (0, "pb", 1599574060000.0)]
     check_outputs(
         paths,
@@ -524,7 +524,7 @@ def test_rees46_end_to_end(tmp_path):
     train_tr = [
         (0, "111", 1570269600.0), (0, "222", 1570271400.0), (0, "333", 1570275000.0),
         (1, "111", 1570278601.0), (1, "222", 1570278660.0),
-    ]  # fmt: skip
+    ]
     valid = [(4, "222", 1575021600.0), (4, "111", 1575021600.0)]
     check_outputs(
         paths,
@@ -689,7 +689,8 @@ def test_cli_prints_paths_and_counts(tmp_path, capsys):
     assert printed[0].split() == [
         "train_full", str(out / "train_full.txt"), "events=10", "sessions=4", "items=4"
     ]
-    assert printed[1].split() == ["test", str(out / "test.txt"), "events=4", "sessions=2", "items=2"]
+    test_line = ["test", str(out / "test.txt"), "events=4", "sessions=2", "items=2"]
+    assert printed[1].split() == test_line
     assert pp.main(["rsc15", "--raw", str(tmp_path / "nope.dat"), "--out", str(out)]) == 2
     assert "nope.dat does not exist" in capsys.readouterr().err
 
@@ -701,7 +702,7 @@ def test_module_runs_as_a_script(tmp_path):
         [sys.executable, "-m", "recforge.data.sessions.preprocess", "rsc15", "--raw", str(raw),
          "--out", str(out), "--min-item-support", "2"],
         capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     assert "train_valid" in result.stdout and "events=2" in result.stdout
     assert file_rows(out / "train_valid.txt") == RSC15_EXPECTED["train_valid"]

@@ -127,7 +127,8 @@ def _locate(path: Path, table: Table) -> _Located:
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise RawDataError(f"{table.description} file {path} {what}")
     try:
-        with open(path, encoding="utf-8", newline="") as handle:
+        # utf-8-sig: a byte-order mark must not hide the first column's name.
+        with open(path, encoding="utf-8-sig", newline="") as handle:
             first = handle.readline().rstrip("\r\n")
     except UnicodeDecodeError as exc:
         raise RawDataError(f"{path}: not valid UTF-8 text: {exc}") from exc
