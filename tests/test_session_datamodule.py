@@ -92,3 +92,33 @@ def test_synthetic_module_uses_the_tuning_protocol(tmp_path):
     train_sessions = set(np.unique(pd.read_csv(dm.train_path, sep="\t")["SessionId"]))
     valid_sessions = set(np.unique(pd.read_csv(dm.valid_path, sep="\t")["SessionId"]))
     assert not train_sessions & valid_sessions
+
+
+@pytest.mark.slow
+def test_raw_dataset_is_preprocessed_and_trained_from_config(tmp_path, make_cfg):
+    """data=retailrocket data.raw_path=events.csv: preprocess once, then train and test on it."""
+    from recforge.data.synthetic import SyntheticSessionsConfig, generate_sessions
+    from recforge.pipeline import train
+
+    sessions = generate_sessions(SyntheticSessionsConfig(n_items=60, n_sessions=600, days=20, seed=5))
+    raw = pd.DataFrame({
+        "timestamp": (sessions["Time"] * 1000).round().astype("int64"),
+        "visitorid": sessions["SessionId"],
+        "event": "view",
+        "itemid": sessions["ItemId"].str.slice(1).astype("int64"),
+        "transactionid": "",
+    })
+    events = tmp_path / "events.csv"
+    raw.to_csv(events, index=False)
+    cfg = make_cfg(
+        "data=retailrocket", f"data.raw_path={events}", f"data.prepared_dir={tmp_path / 'rr'}",
+        "+data.preprocess.tsplit=null", "data.protocol=tuning", "trainer.max_epochs=1",
+    )
+    metrics = train(cfg)
+    assert (tmp_path / "rr" / "done.json").exists()
+    assert metrics["val/recall@20"] > 0 and metrics["test/recall@20"] > 0
+    # a second build reuses the prepared files (the marker is not rewritten)
+    stamp = (tmp_path / "rr" / "done.json").stat().st_mtime_ns
+    SessionDataModule(dataset="retailrocket", raw_path=str(events), prepared_dir=str(tmp_path / "rr"),
+                      train_path=None, test_path=None, preprocess={"tsplit": None})
+    assert (tmp_path / "rr" / "done.json").stat().st_mtime_ns == stamp

@@ -25,6 +25,11 @@ class SessionDataModule(L.LightningDataModule):
     The item map and popularity come from the training file; validation and test events whose item
     is unknown to it are deleted (sessions spliced), as the reference protocol does. Under DDP each
     rank takes every world_size-th session and training steps are padded to the same count.
+
+    Given ``raw_path`` (and ``dataset``), the raw public files are preprocessed once into
+    ``prepared_dir`` (spec §1.9; reused while inputs and parameters are unchanged) and the paths
+    not given explicitly follow ``protocol``: ``final`` trains on train_full and tests on test;
+    ``tuning`` trains on train_tr, validates on train_valid and tests on test.
     """
 
     batch_type = SessionStep
@@ -39,8 +44,20 @@ class SessionDataModule(L.LightningDataModule):
         session_key: str = "SessionId",
         item_key: str = "ItemId",
         time_key: str = "Time",
+        dataset: str | None = None,
+        raw_path: str | list[str] | None = None,
+        prepared_dir: str | None = None,
+        protocol: str = "final",
+        preprocess: dict | None = None,
     ) -> None:
         super().__init__()
+        if protocol not in ("final", "tuning"):
+            raise ValueError(f"data.protocol must be 'final' or 'tuning', got {protocol!r}")
+        if raw_path is not None:
+            train_path, valid_path, test_path = self._prepare_raw(
+                dataset, raw_path, prepared_dir, protocol, preprocess or {},
+                train_path, valid_path, test_path,
+            )
         self.train_path = train_path
         self.test_path = test_path
         self.valid_path = valid_path
@@ -52,6 +69,18 @@ class SessionDataModule(L.LightningDataModule):
         self._checkpoint_item_ids: np.ndarray | None = None
 
     # ---------------------------------------------------------------- data
+    @staticmethod
+    def _prepare_raw(dataset, raw_path, prepared_dir, protocol, overrides, train, valid, test):
+        from recforge.data.sessions.preprocess import prepare
+
+        if dataset is None or prepared_dir is None:
+            raise ValueError("data.raw_path needs data.dataset and data.prepared_dir")
+        paths = prepare(dataset, raw_path, prepared_dir, **overrides)
+        if protocol == "tuning":
+            return (train or str(paths["train_tr"]), valid or str(paths["train_valid"]),
+                    test or str(paths["test"]))
+        return train or str(paths["train_full"]), valid, test or str(paths["test"])
+
     @property
     def has_validation(self) -> bool:
         return self.valid_path is not None
@@ -60,7 +89,8 @@ class SessionDataModule(L.LightningDataModule):
         if path is None:
             raise ValueError(
                 f"data.{what}_path is not set: point it at a prepared GRU4Rec file "
-                f"(tab-separated SessionId ItemId Time with a header)"
+                f"(tab-separated SessionId ItemId Time with a header), or set data.raw_path to "
+                f"the raw dataset to preprocess it"
             )
         return read_session_file(path, **self.keys, sort=sort)
 
