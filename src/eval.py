@@ -2,7 +2,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from recforge.config_checks import IncompatibleConfigError
+from recforge.errors import UserInputError
 from recforge.pipeline import evaluate
 
 
@@ -10,7 +10,7 @@ from recforge.pipeline import evaluate
 def main(cfg: DictConfig) -> None:
     try:
         evaluate(cfg)
-    except IncompatibleConfigError as error:
+    except UserInputError as error:
         raise SystemExit(f"recforge: {error}") from None
 
 

@@ -2,7 +2,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from recforge.config_checks import IncompatibleConfigError
+from recforge.errors import UserInputError
 from recforge.pipeline import metric_value, train
 
 
@@ -10,7 +10,7 @@ from recforge.pipeline import metric_value, train
 def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
-    except IncompatibleConfigError as error:
+    except UserInputError as error:
         raise SystemExit(f"recforge: {error}") from None
     # Sweepers (Optuna) optimise the returned value.
     return metric_value(metrics, cfg.get("optimized_metric")) if cfg.get("train", True) else None

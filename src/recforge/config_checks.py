@@ -12,8 +12,10 @@ import yaml
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from recforge.errors import UserInputError
 
-class IncompatibleConfigError(ValueError):
+
+class IncompatibleConfigError(UserInputError):
     pass
 
 

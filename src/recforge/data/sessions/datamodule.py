@@ -15,6 +15,7 @@ from recforge.data.sessions.io import read_session_file, sort_sessions
 from recforge.data.sessions.parallel import count_steps
 from recforge.data.sessions.store import ItemCatalog, SessionArrays
 from recforge.data.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
+from recforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class SessionDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if protocol not in ("final", "tuning"):
-            raise ValueError(f"data.protocol must be 'final' or 'tuning', got {protocol!r}")
+            raise UserInputError(f"data.protocol must be 'final' or 'tuning', got {protocol!r}")
         if raw_path is not None:
             train_path, valid_path, test_path = self._prepare_raw(
                 dataset, raw_path, prepared_dir, protocol, preprocess or {},
@@ -74,7 +75,7 @@ class SessionDataModule(L.LightningDataModule):
         from recforge.data.sessions.preprocess import prepare
 
         if dataset is None or prepared_dir is None:
-            raise ValueError("data.raw_path needs data.dataset and data.prepared_dir")
+            raise UserInputError("data.raw_path needs data.dataset and data.prepared_dir")
         paths = prepare(dataset, raw_path, prepared_dir, **overrides)
         if protocol == "tuning":
             return (train or str(paths["train_tr"]), valid or str(paths["train_valid"]),
@@ -87,7 +88,7 @@ class SessionDataModule(L.LightningDataModule):
 
     def _read(self, path: str | None, what: str, sort: bool = True):
         if path is None:
-            raise ValueError(
+            raise UserInputError(
                 f"data.{what}_path is not set: point it at a prepared GRU4Rec file "
                 f"(tab-separated SessionId ItemId Time with a header), or set data.raw_path to "
                 f"the raw dataset to preprocess it"
@@ -186,7 +187,7 @@ class SessionDataModule(L.LightningDataModule):
             return
         mine = self.state_dict()
         if mine != state:
-            raise ValueError(
+            raise UserInputError(
                 f"the checkpoint was trained on another item map ({state['n_items']} items, "
                 f"sha256 {state['item_map_sha256'][:12]}) than data.train_path={self.train_path} "
                 f"gives ({mine['n_items']} items, sha256 {mine['item_map_sha256'][:12]}): "

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from recforge.errors import UserInputError
+
 __all__ = [
     "SESSION_KEY",
     "ITEM_KEY",
@@ -36,7 +38,7 @@ _SAFE_INT_DIGITS = 18
 _INT64_MIN, _INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 
 
-class SessionFileError(ValueError):
+class SessionFileError(UserInputError):
     """A session file is missing or does not follow the GRU4Rec text format."""
 
 

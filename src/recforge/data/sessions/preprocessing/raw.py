@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from recforge.errors import UserInputError
+
 __all__ = [
     "Col",
     "FirstSeenCodes",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-class RawDataError(ValueError):
+class RawDataError(UserInputError):
     """A raw dataset file is missing or does not have the expected format."""
 
 
