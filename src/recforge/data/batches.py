@@ -31,6 +31,16 @@ class SessionStep:
     def size(self) -> int:
         return int(self.inputs.shape[0])
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SessionStep:
+        """The batch on ``device`` (itself when already there)."""
+        if self.inputs.device == torch.device(device):
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return SessionStep(move(self.inputs), move(self.targets), move(self.reset), move(self.keep))
+
     def carry_hidden(
         self,
         hidden: list[torch.Tensor] | None,
