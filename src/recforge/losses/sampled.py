@@ -66,7 +66,18 @@ def _negatives_softmax(r: torch.Tensor) -> torch.Tensor:
     return e / e.sum(dim=1, keepdim=True)
 
 
-class BPRMax(SampledLoss):
+class _ELUScored(SampledLoss):
+    """A loss whose final activation is ELU(alpha=elu_param); 0 keeps the scores linear."""
+
+    def __init__(self, elu_param: float) -> None:
+        super().__init__()
+        self.elu_param = float(elu_param)
+
+    def activation(self, scores: torch.Tensor) -> torch.Tensor:
+        return F.elu(scores, alpha=self.elu_param) if self.elu_param > 0 else scores
+
+
+class BPRMax(_ELUScored):
     """BPR-max: -log sum_j s_ij σ(r_ii - r_ij) + bpreg sum_j s_ij r_ij², j over negatives only.
 
     s_ij is a softmax over row i's negatives (the target column excluded); its weights are not
@@ -74,12 +85,8 @@ class BPRMax(SampledLoss):
     """
 
     def __init__(self, bpreg: float = 1.0, elu_param: float = 0.5) -> None:
-        super().__init__()
+        super().__init__(elu_param)
         self.bpreg = float(bpreg)
-        self.elu_param = float(elu_param)
-
-    def activation(self, scores: torch.Tensor) -> torch.Tensor:
-        return F.elu(scores, alpha=self.elu_param) if self.elu_param > 0 else scores
 
     def forward(
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
@@ -92,7 +99,7 @@ class BPRMax(SampledLoss):
         return loss.sum() / batch_size
 
 
-class TOP1Max(SampledLoss):
+class TOP1Max(_ELUScored):
     """TOP1-max: sum_j s_ij (σ(r_ij - r_ii) + σ(r_ij²)), j over negatives only (spec §1.4).
 
     s_ij is the same negatives-only softmax as in BPR-max, not detached. With ``elu_param > 0``
@@ -100,11 +107,7 @@ class TOP1Max(SampledLoss):
     """
 
     def __init__(self, elu_param: float = 0.0) -> None:
-        super().__init__()
-        self.elu_param = float(elu_param)
-
-    def activation(self, scores: torch.Tensor) -> torch.Tensor:
-        return F.elu(scores, alpha=self.elu_param) if self.elu_param > 0 else scores
+        super().__init__(elu_param)
 
     def forward(
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
