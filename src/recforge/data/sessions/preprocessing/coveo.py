@@ -24,11 +24,8 @@ from recforge.data.sessions.preprocessing.raw import (
     iter_chunks,
 )
 from recforge.data.sessions.preprocessing.steps import (
-    SECONDS_PER_DAY,
     Splits,
-    sessionize,
-    third_party_pipeline,
-    unit_factor,
+    views_after_sessionizing,
 )
 
 log = logging.getLogger(__name__)
@@ -89,14 +86,4 @@ def read_browsing(path: Path, chunksize: int) -> pd.DataFrame:
 
 def build(paths: Sequence[Path], params: dict[str, Any], chunksize: int) -> Splits:
     """The four splits from the browsing file."""
-    events = read_browsing(paths[0], chunksize)
-    events = sessionize(
-        events, "SessionKey", time_unit=TIME_UNIT, gap_seconds=params["session_gap_seconds"]
-    )
-    views = events[events["IsView"].to_numpy()]
-    return third_party_pipeline(
-        views,
-        tsplit=params["tsplit"],
-        tday=params["test_days"] * SECONDS_PER_DAY * unit_factor(TIME_UNIT),
-        min_item_support=params["min_item_support"],
-    )
+    return views_after_sessionizing(read_browsing(paths[0], chunksize), "SessionKey", TIME_UNIT, params)

@@ -21,11 +21,8 @@ from recforge.data.sessions.preprocessing.raw import (
     numeric_items,
 )
 from recforge.data.sessions.preprocessing.steps import (
-    SECONDS_PER_DAY,
     Splits,
-    sessionize,
-    third_party_pipeline,
-    unit_factor,
+    views_after_sessionizing,
 )
 
 RAW_FILES = ("events.csv",)
@@ -70,14 +67,4 @@ def read_events(path: Path, chunksize: int) -> pd.DataFrame:
 
 def build(paths: Sequence[Path], params: dict[str, Any], chunksize: int) -> Splits:
     """The four splits from ``events.csv``."""
-    events = read_events(paths[0], chunksize)
-    events = sessionize(
-        events, "VisitorId", time_unit=TIME_UNIT, gap_seconds=params["session_gap_seconds"]
-    )
-    views = events[events["IsView"].to_numpy()]
-    return third_party_pipeline(
-        views,
-        tsplit=params["tsplit"],
-        tday=params["test_days"] * SECONDS_PER_DAY * unit_factor(TIME_UNIT),
-        min_item_support=params["min_item_support"],
-    )
+    return views_after_sessionizing(read_events(paths[0], chunksize), "VisitorId", TIME_UNIT, params)

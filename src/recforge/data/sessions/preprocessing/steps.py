@@ -22,6 +22,7 @@ __all__ = [
     "rsc15_train_test_valid",
     "sessionize",
     "third_party_pipeline",
+    "views_after_sessionizing",
     "time_split",
     "train_test_valid",
     "unit_factor",
@@ -220,3 +221,18 @@ def _isin_items(items: pd.Series, known: pd.Series) -> np.ndarray:
         seen[known.cat.codes.to_numpy()] = True
         return seen[items.cat.codes.to_numpy()]
     return items.isin(pd.unique(known.to_numpy())).to_numpy()
+
+
+def views_after_sessionizing(
+    events: pd.DataFrame, user_key: str, time_unit: str, params: dict
+) -> Splits:
+    """Cut sessions on *all* of each user's events, keep the views (``IsView``), then the shared
+    pipeline: an add-to-cart or purchase between two views keeps their session open."""
+    events = sessionize(events, user_key, time_unit=time_unit, gap_seconds=params["session_gap_seconds"])
+    views = events[events["IsView"].to_numpy()]
+    return third_party_pipeline(
+        views,
+        tsplit=params["tsplit"],
+        tday=params["test_days"] * SECONDS_PER_DAY * unit_factor(time_unit),
+        min_item_support=params["min_item_support"],
+    )
