@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["KERNEL_DTYPES", "interpreted", "softmax_xe_forward", "softmax_xe_backward"]
+__all__ = [
+    "KERNEL_DTYPES",
+    "bprmax_backward",
+    "bprmax_forward",
+    "interpreted",
+    "softmax_xe_backward",
+    "softmax_xe_forward",
+]
 
 #: Score dtypes the kernels read natively (all arithmetic is float32).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -189,5 +196,187 @@ def softmax_xe_backward(
         scores, lq, row_max, row_sum, scale, grad,
         n_cols, scores.stride(0), scores.stride(1), grad.stride(0), float(logq),
         HAS_LOGQ=has_logq, BLOCK_C=block,
+    )  # fmt: skip
+    return grad
+
+
+# ---------------------------------------------------------------------------------------- BPR-max
+# loss_i = -log(P_i + 1e-24) + bpreg * Reg_i with P_i = sum_j s_ij sigmoid(r_ii - r_ij) and
+# Reg_i = sum_j s_ij r_ij^2, s_i. a softmax over row i's negatives (j != i), r = ELU(scores) or the
+# scores themselves. The forward pass saves per row: the masked max m, the exponential sum Z, P,
+# Reg and D = sum_j s_ij sig_ij (1 - sig_ij) (the target's own gradient), so backward is one pass.
+N_BPR_STATS = 5
+
+
+@triton.jit
+def _expm1(x):
+    # Kahan's trick: exp(x) - 1 loses all relative precision for |x| << 1 (ELU near 0), while
+    # (u - 1) * x / log(u) cancels the rounding error of u = exp(x) to a few ulp.
+    u = tl.exp(x)
+    um1 = u - 1.0
+    log_u = tl.log(u)
+    safe = (um1 != 0.0) & (log_u != 0.0) & (u != float("inf"))
+    return tl.where(safe, um1 * x / tl.where(safe, log_u, 1.0), tl.where(u == 1.0, x, um1))
+
+
+@triton.jit
+def _activated(s_ptr, row_off, cols, col_mask, stride_c, ELU, HAS_ELU: tl.constexpr):
+    x = tl.load(s_ptr + row_off + cols.to(tl.int64) * stride_c, mask=col_mask, other=0.0)
+    x = x.to(tl.float32)
+    r = x
+    if HAS_ELU:
+        r = tl.where(x > 0.0, x, ELU * _expm1(tl.minimum(x, 0.0)))
+    return x, r
+
+
+@triton.jit
+def _bprmax_forward_kernel(
+    s_ptr,
+    loss_ptr,
+    stats_ptr,
+    B,
+    C,
+    stride_r,
+    stride_c,
+    BPREG,
+    ELU,
+    HAS_ELU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_off = row.to(tl.int64) * stride_r
+    offs = tl.arange(0, BLOCK_C)
+    diag = row + tl.arange(0, 1)
+    _, r_diag = _activated(s_ptr, row_off, diag, diag < C, stride_c, ELU, HAS_ELU)
+    target = tl.sum(r_diag, 0)
+
+    # The reference masks the target to 0 (not -inf) before the max, so a 0 takes part in it;
+    # any upper bound is stable, and matching it keeps the rounding of exp(a - m) identical.
+    run_max = tl.full((BLOCK_C,), float("-inf"), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + offs
+        col_mask = cols < C
+        _, r = _activated(s_ptr, row_off, cols, col_mask, stride_c, ELU, HAS_ELU)
+        a = tl.where(cols == row, 0.0, r)
+        run_max = tl.maximum(run_max, tl.where(col_mask, a, float("-inf")))
+    row_max = tl.max(run_max, axis=0)
+
+    z = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    pair = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    reg = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dsig = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + offs
+        col_mask = cols < C
+        _, r = _activated(s_ptr, row_off, cols, col_mask, stride_c, ELU, HAS_ELU)
+        negative = col_mask & (cols != row)
+        e = tl.where(negative, tl.exp(r - row_max), 0.0)
+        sig = tl.sigmoid(target - r)
+        z += e
+        pair += e * sig
+        reg += e * (r * r)
+        dsig += e * (sig * (1.0 - sig))
+    z_sum = tl.sum(z, axis=0)
+    p = tl.sum(pair, axis=0) / z_sum
+    reg_i = tl.sum(reg, axis=0) / z_sum
+    d = tl.sum(dsig, axis=0) / z_sum
+    tl.store(loss_ptr + row, -tl.log(p + 1e-24) + BPREG * reg_i)
+    tl.store(stats_ptr + row, row_max)
+    tl.store(stats_ptr + B + row, z_sum)
+    tl.store(stats_ptr + 2 * B + row, p)
+    tl.store(stats_ptr + 3 * B + row, reg_i)
+    tl.store(stats_ptr + 4 * B + row, d)
+
+
+@triton.jit
+def _bprmax_backward_kernel(
+    s_ptr,
+    stats_ptr,
+    scale_ptr,
+    g_ptr,
+    B,
+    C,
+    stride_r,
+    stride_c,
+    stride_gr,
+    BPREG,
+    ELU,
+    HAS_ELU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_off = row.to(tl.int64) * stride_r
+    g_off = row.to(tl.int64) * stride_gr
+    offs = tl.arange(0, BLOCK_C)
+    row_max = tl.load(stats_ptr + row)
+    z_sum = tl.load(stats_ptr + B + row)
+    p = tl.load(stats_ptr + 2 * B + row)
+    reg_i = tl.load(stats_ptr + 3 * B + row)
+    d = tl.load(stats_ptr + 4 * B + row)
+    scale = tl.load(scale_ptr)
+    inv_p = 1.0 / (p + 1e-24)
+    diag = row + tl.arange(0, 1)
+    _, r_diag = _activated(s_ptr, row_off, diag, diag < C, stride_c, ELU, HAS_ELU)
+    target = tl.sum(r_diag, 0)
+
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + offs
+        col_mask = cols < C
+        x, r = _activated(s_ptr, row_off, cols, col_mask, stride_c, ELU, HAS_ELU)
+        is_target = cols == row
+        s = tl.where(is_target, 0.0, tl.exp(r - row_max)) / z_sum
+        sig = tl.sigmoid(target - r)
+        # Negative k: the softmax weight moves with r_k (ds_j/dr_k = s_j (δ_jk - s_k)) and so does
+        # its own sigmoid; the target only enters through the sigmoids: -D / (P + eps).
+        d_pair = s * (sig - p - sig * (1.0 - sig))
+        d_reg = s * (r * r - reg_i + 2.0 * r)
+        dr = tl.where(is_target, -d * inv_p, -d_pair * inv_p + BPREG * d_reg)
+        if HAS_ELU:
+            dr = dr * tl.where(x > 0.0, 1.0, ELU * tl.exp(x))
+        tl.store(g_ptr + g_off + cols, (dr * scale).to(g_ptr.dtype.element_ty), mask=col_mask)
+
+
+def bprmax_forward(
+    scores: Tensor, bpreg: float, elu_param: float, block_c: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-row BPR-max losses ``[B']`` and the ``[5, B']`` float32 statistics backward needs."""
+    n_rows, n_cols = scores.shape
+    device = scores.device
+    on_gpu = device.type == "cuda" and not interpreted()
+    block = block_c or _block_c(n_cols, on_gpu)
+    loss = torch.empty(n_rows, dtype=torch.float32, device=device)
+    stats = torch.empty((N_BPR_STATS, n_rows), dtype=torch.float32, device=device)
+    if n_rows == 0:
+        return loss, stats
+    _bprmax_forward_kernel[(n_rows,)](
+        scores, loss, stats,
+        n_rows, n_cols, scores.stride(0), scores.stride(1), float(bpreg), float(elu_param),
+        HAS_ELU=elu_param > 0, BLOCK_C=block,
+    )  # fmt: skip
+    return loss, stats
+
+
+def bprmax_backward(
+    scores: Tensor,
+    bpreg: float,
+    elu_param: float,
+    stats: Tensor,
+    scale: Tensor,
+    block_c: int | None = None,
+) -> Tensor:
+    """``dL/dscores`` for the BPR-max row losses times ``scale`` (a 1-element tensor)."""
+    n_rows, n_cols = scores.shape
+    device = scores.device
+    grad = torch.empty((n_rows, n_cols), dtype=scores.dtype, device=device)
+    if n_rows == 0:
+        return grad
+    on_gpu = device.type == "cuda" and not interpreted()
+    block = block_c or _block_c(n_cols, on_gpu)
+    scale = scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
+    _bprmax_backward_kernel[(n_rows,)](
+        scores, stats, scale, grad,
+        n_rows, n_cols, scores.stride(0), scores.stride(1), grad.stride(0),
+        float(bpreg), float(elu_param),
+        HAS_ELU=elu_param > 0, BLOCK_C=block,
     )  # fmt: skip
     return grad

@@ -189,24 +189,39 @@ def target_rank_counts(
     targets = targets.long()
     q = queries.to(dtype)
 
-    # The target score is computed once by a direct dot product; its own column is
-    # then skipped in every chunk so that dot-vs-matmul rounding can never move the
-    # target relative to itself. It is counted as exactly one tie up front.
-    target_scores = (q * item_weights[targets].to(dtype)).sum(dim=1)
-    if item_bias is not None:
-        target_scores = target_scores + item_bias[targets].to(dtype)
-    threshold = target_scores.unsqueeze(1)  # [B, 1]
-
-    n_greater = torch.zeros(n_rows, dtype=torch.int64, device=device)
-    n_equal = torch.ones(n_rows, dtype=torch.int64, device=device)
-    cols = torch.arange(min(chunk_size, max(n_items, 1)), device=device)
-
-    for start in range(0, n_items, chunk_size):
-        stop = min(start + chunk_size, n_items)
+    def chunk_scores(start: int, stop: int) -> Tensor:
         # Cast per chunk so a low-precision catalogue is never copied whole.
         scores = q @ item_weights[start:stop].to(dtype).T  # [B, C]
         if item_bias is not None:
             scores = scores + item_bias[start:stop].to(dtype)
+        return scores
+
+    # The target's score is read from the same matmul that scores its chunk, so it is
+    # bit-identical to how every other item is scored (a separate dot product rounds
+    # differently and can split true ties, or break ties the reference keeps). That needs a
+    # first pass over the chunks holding targets; a catalogue within one chunk is scored once.
+    starts = range(0, n_items, chunk_size)
+    single = n_items <= chunk_size
+    target_scores = torch.empty(n_rows, dtype=dtype, device=device)
+    cached = None
+    for start in starts:
+        stop = min(start + chunk_size, n_items)
+        rows = ((targets >= start) & (targets < stop)).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        scores = chunk_scores(start, stop)
+        cached = scores if single else None
+        target_scores[rows] = scores[rows, targets[rows] - start]
+    threshold = target_scores.unsqueeze(1)  # [B, 1]
+
+    # Its own column is still skipped and counted as exactly one tie, so even a NaN target
+    # score ranks the target once.
+    n_greater = torch.zeros(n_rows, dtype=torch.int64, device=device)
+    n_equal = torch.ones(n_rows, dtype=torch.int64, device=device)
+    cols = torch.arange(min(chunk_size, max(n_items, 1)), device=device)
+    for start in starts:
+        stop = min(start + chunk_size, n_items)
+        scores = cached if cached is not None else chunk_scores(start, stop)
         is_target = cols[: stop - start].unsqueeze(0) == (targets - start).unsqueeze(1)  # [B, C]
         keep = ~is_target
         n_greater += ((scores > threshold) & keep).sum(dim=1)

@@ -1,0 +1,246 @@
+"""Fused sampled softmax cross-entropy (GRU4Rec's training loss, spec §1.4).
+
+``scores [B', C]`` hold row i's target in column i. The loss is the logq-corrected, max-subtracted
+softmax cross-entropy of the diagonal, ``sum_i -log(p_ii + 1e-24) / batch_size``, i.e. exactly
+:class:`recforge.losses.sampled.CrossEntropy`. ``impl="pytorch"`` *is* that class (the reference);
+``impl="triton"`` runs the row-wise kernels of :mod:`recforge.kernels.sampled_loss_triton` behind a
+``torch.autograd.Function``, so neither the corrected score matrix nor the softmax is kept for
+backward: only two float32 numbers per row.
+
+:func:`sampled_bprmax` does the same for BPR-max (:class:`recforge.losses.sampled.BPRMax`), keeping
+five float32 statistics per row for its one-pass backward.
+
+The Triton module is imported lazily so this module needs only torch; when Triton cannot run (no
+Triton, CPU tensors without ``TRITON_INTERPRET=1``, float64 scores) the call falls back to the
+reference with one warning per process.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from recforge.losses.sampled import BPRMax, CrossEntropy
+
+__all__ = [
+    "IMPLS",
+    "sampled_bprmax",
+    "sampled_bprmax_reference",
+    "sampled_softmax_xe",
+    "sampled_softmax_xe_reference",
+]
+
+#: Implementations accepted by :func:`sampled_softmax_xe`.
+IMPLS: tuple[str, ...] = ("pytorch", "triton")
+
+# Lazily imported Triton twin: None = not tried yet, False = import failed.
+_TRITON_MODULE = None
+_TRITON_IMPORT_ERROR: str | None = None
+# Whether the "Triton unusable, falling back" warning was already given (once per process).
+_WARNED = False
+
+
+def _triton_module():
+    global _TRITON_MODULE, _TRITON_IMPORT_ERROR
+    if _TRITON_MODULE is None:
+        try:
+            from recforge.kernels import sampled_loss_triton
+        except Exception as exc:  # ImportError, or a broken Triton install failing on import
+            _TRITON_MODULE = False
+            _TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+        else:
+            _TRITON_MODULE = sampled_loss_triton
+    return _TRITON_MODULE or None
+
+
+def _triton_available() -> bool:
+    """Whether the Triton twin imports (tests patch this to simulate a machine without Triton)."""
+    return _triton_module() is not None
+
+
+def _triton_unusable_reason(scores: Tensor) -> str | None:
+    """Why the Triton twin cannot take these scores, or None when it can."""
+    if not _triton_available():
+        return f"Triton could not be imported ({_TRITON_IMPORT_ERROR or 'unavailable'})"
+    module = _triton_module()
+    if scores.dtype not in module.KERNEL_DTYPES:
+        return f"the kernel computes in float32 and does not take {scores.dtype}"
+    if scores.device.type == "cuda" or module.interpreted():
+        return None
+    return f"tensors are on {scores.device.type} and TRITON_INTERPRET=1 was not set"
+
+
+def _warn_fallback(reason: str, op: str) -> None:
+    global _WARNED
+    if _WARNED:
+        return
+    _WARNED = True
+    warnings.warn(
+        f"{op}(impl='triton'): {reason}; using the PyTorch implementation "
+        "(this warning is shown once)",
+        RuntimeWarning,
+        stacklevel=3,  # past this helper and the public op: the caller's line
+    )
+
+
+def _validate_scores(scores: Tensor, batch_size: int) -> None:
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be 2-D [B', C], got shape {tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating-point tensor, got dtype {scores.dtype}")
+    n_rows, n_cols = scores.shape
+    if n_cols < n_rows:
+        # column i is row i's target, so every row needs its own column
+        raise ValueError(f"scores [B', C] needs C >= B', got shape {tuple(scores.shape)}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+def _validate(scores: Tensor, log_q: Tensor | None, logq: float, batch_size: int) -> None:
+    _validate_scores(scores, batch_size)
+    n_cols = scores.shape[1]
+    if logq < 0.0:
+        raise ValueError(f"logq must be >= 0, got {logq}")
+    if logq > 0.0:
+        if log_q is None:
+            raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
+        if log_q.dim() != 1 or log_q.shape[0] != n_cols:
+            raise ValueError(f"log_q must be 1-D [C] with C={n_cols}, got shape {tuple(log_q.shape)}")
+        if log_q.device != scores.device:
+            raise ValueError(f"log_q is on {log_q.device}, scores on {scores.device}")
+
+
+def sampled_softmax_xe_reference(
+    scores: Tensor, log_q: Tensor | None, logq: float, batch_size: int
+) -> Tensor:
+    """The PyTorch reference: :class:`recforge.losses.sampled.CrossEntropy` itself."""
+    return CrossEntropy(logq)(scores, batch_size, log_q)
+
+
+class _SampledSoftmaxXE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: Tensor, log_q: Tensor | None, logq: float, batch_size: int) -> Tensor:
+        module = _triton_module()
+        loss, row_max, row_sum = module.softmax_xe_forward(scores, log_q, logq)
+        ctx.save_for_backward(scores, log_q, row_max, row_sum)
+        ctx.logq = logq
+        ctx.batch_size = batch_size
+        # Rows are summed by torch, not atomically in the kernel: deterministic.
+        return (loss.sum() / batch_size).to(scores.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        scores, log_q, row_max, row_sum = ctx.saved_tensors
+        grad_scores = grad_log_q = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            scale = grad_out.detach().to(torch.float32) / ctx.batch_size
+            grad_scores = _triton_module().softmax_xe_backward(
+                scores, log_q, ctx.logq, row_max, row_sum, scale
+            )
+            if ctx.needs_input_grad[1]:
+                # x_ij = s_ij - logq * log_q_j, so log_q's gradient is -logq times column sums.
+                grad_log_q = (-ctx.logq * grad_scores.sum(dim=0)).to(log_q.dtype)
+            if not ctx.needs_input_grad[0]:
+                grad_scores = None
+        return grad_scores, grad_log_q, None, None
+
+
+def sampled_softmax_xe(
+    scores: Tensor,
+    log_q: Tensor | None,
+    logq: float,
+    batch_size: int,
+    impl: str = "pytorch",
+) -> Tensor:
+    """Sampled softmax cross-entropy of the diagonal targets, differentiable w.r.t. ``scores``.
+
+    Args:
+        scores: ``[B', C]`` float scores, ``C >= B'``; column i is row i's target.
+        log_q: ``[C]`` log sampling weights of the columns, or ``None``; read only when
+            ``logq > 0`` (as in :class:`~recforge.losses.sampled.CrossEntropy`).
+        logq: strength of the correction ``x_ij = scores_ij - logq * log_q_j``.
+        batch_size: the *configured* batch size the row sum is divided by.
+        impl: one of :data:`IMPLS`. ``"triton"`` runs the fused kernels on CUDA tensors, or on CPU
+            tensors under ``TRITON_INTERPRET=1``, computing in float32 for fp32/bf16/fp16 scores;
+            otherwise it falls back to ``"pytorch"`` with one warning per process.
+
+    Returns:
+        The scalar loss ``sum_i -log(softmax(x)_ii + 1e-24) / batch_size`` in ``scores.dtype``.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
+    logq = float(logq)
+    _validate(scores, log_q, logq, batch_size)
+    if impl == "triton":
+        reason = _triton_unusable_reason(scores)
+        if reason is None:
+            return _SampledSoftmaxXE.apply(scores, log_q if logq > 0.0 else None, logq, batch_size)
+        _warn_fallback(reason, "sampled_softmax_xe")
+    return sampled_softmax_xe_reference(scores, log_q, logq, batch_size)
+
+
+# ---------------------------------------------------------------------------------------- BPR-max
+def sampled_bprmax_reference(
+    scores: Tensor, bpreg: float, elu_param: float, batch_size: int
+) -> Tensor:
+    """The PyTorch reference: :class:`recforge.losses.sampled.BPRMax` itself."""
+    return BPRMax(bpreg, elu_param)(scores, batch_size)
+
+
+class _SampledBPRMax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> Tensor:
+        loss, stats = _triton_module().bprmax_forward(scores, bpreg, elu_param)
+        ctx.save_for_backward(scores, stats)
+        ctx.bpreg, ctx.elu_param, ctx.batch_size = bpreg, elu_param, batch_size
+        return (loss.sum() / batch_size).to(scores.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        scores, stats = ctx.saved_tensors
+        scale = grad_out.detach().to(torch.float32) / ctx.batch_size
+        grad = _triton_module().bprmax_backward(scores, ctx.bpreg, ctx.elu_param, stats, scale)
+        return grad, None, None, None
+
+
+def sampled_bprmax(
+    scores: Tensor,
+    bpreg: float,
+    elu_param: float,
+    batch_size: int,
+    impl: str = "pytorch",
+) -> Tensor:
+    """BPR-max over the sampled columns, differentiable w.r.t. ``scores`` (spec §1.4).
+
+    Args:
+        scores: ``[B', C]`` float scores, ``C >= B'``; column i is row i's target. Rows need at
+            least one negative (``C >= 2``), as for :class:`~recforge.losses.sampled.BPRMax`.
+        bpreg: weight of the score regulariser ``sum_j s_ij r_ij^2``.
+        elu_param: ELU alpha applied to the scores first; ``0`` keeps them linear.
+        batch_size: the *configured* batch size the row sum is divided by.
+        impl: one of :data:`IMPLS`, with the same fallback as :func:`sampled_softmax_xe`.
+
+    Returns:
+        The scalar loss ``sum_i [-log(sum_j s_ij sigmoid(r_ii - r_ij) + 1e-24)
+        + bpreg sum_j s_ij r_ij^2] / batch_size`` in ``scores.dtype``; the softmax weights
+        ``s_ij`` over the negatives are not detached.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
+    bpreg, elu_param = float(bpreg), float(elu_param)
+    _validate_scores(scores, batch_size)
+    if elu_param < 0.0:
+        raise ValueError(f"elu_param must be >= 0, got {elu_param}")
+    if scores.shape[1] < 2:
+        # no negatives: the softmax over them is 0/0 (NaN in the reference too)
+        raise ValueError(f"BPR-max needs C >= 2 columns, got shape {tuple(scores.shape)}")
+    if impl == "triton":
+        reason = _triton_unusable_reason(scores)
+        if reason is None:
+            return _SampledBPRMax.apply(scores, bpreg, elu_param, batch_size)
+        _warn_fallback(reason, "sampled_bprmax")
+    return sampled_bprmax_reference(scores, bpreg, elu_param, batch_size)
