@@ -150,7 +150,8 @@ def test_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
     assert fallback[0].filename == __file__  # attributed to the caller's line
     assert calls == []
     loss_p, grad_p = _value_and_grad("pytorch", scores, None, 0.0)
-    assert torch.equal(loss_a, loss_p) and torch.equal(grad_a, grad_p) and torch.equal(loss_b, loss_p)
+    assert torch.equal(loss_a, loss_p) and torch.equal(grad_a, grad_p)
+    assert torch.equal(loss_b, loss_p)
 
 
 @triton_usable
@@ -240,9 +241,9 @@ def test_bprmax_triton_matches_reference(shape, kind, bpreg, elu) -> None:
 
 @triton_usable
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-def test_bprmax_far_ranked_target_and_elu_near_zero() -> None:
-    # Row 0's target sits 60 below all negatives (P underflows, the 1e-24 takes over); row 1 holds
-    # scores of order 1e-4, where ELU's exp(x) - 1 would cancel without the expm1 treatment.
+def test_bprmax_far_ranked_target_and_scores_near_zero() -> None:
+    # Row 0's target sits 60 below all negatives (P ~ 1e-26 < 1e-24: the eps damps it); row 1 holds
+    # scores of order 1e-4 on both sides of ELU's switch at 0.
     scores = torch.full((3, 7), 30.0)
     scores[0, 0] = -30.0
     scores[1] = torch.linspace(-3e-4, 3e-4, 7)
@@ -297,3 +298,21 @@ def test_bprmax_invalid_inputs() -> None:
         sl.sampled_bprmax(torch.zeros(2, 3), 1.0, -0.5, 4, impl="triton")
     with pytest.raises(ValueError, match="unknown impl"):
         sl.sampled_bprmax(torch.zeros(2, 3), 1.0, 0.5, 4, impl="cuda")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["xe", "bprmax"])
+def test_config_switch_trains_through_the_fused_kernel(loss, make_cfg, monkeypatch):
+    """loss.kernel=triton: training steps go through the fused op (interpreter on CPU)."""
+    import recforge.kernels.sampled_loss as ops
+    from recforge.pipeline import train
+
+    fn = ops._SampledSoftmaxXE if loss == "xe" else ops._SampledBPRMax
+    calls = []
+    original = fn.apply
+    monkeypatch.setattr(fn, "apply", lambda *a: calls.append(1) or original(*a))
+    cfg = make_cfg(f"loss={loss}", "loss.kernel=triton", "task.n_sample=8", "trainer.fast_dev_run=2",
+                   "data.batch_size=4")
+    metrics = train(cfg)
+    assert len(calls) == 2
+    assert metrics["test/recall@20"] >= 0

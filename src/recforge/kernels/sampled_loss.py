@@ -2,7 +2,8 @@
 
 ``scores [B', C]`` hold row i's target in column i. The loss is the logq-corrected, max-subtracted
 softmax cross-entropy of the diagonal, ``sum_i -log(p_ii + 1e-24) / batch_size``, i.e. exactly
-:class:`recforge.losses.sampled.CrossEntropy`. ``impl="pytorch"`` *is* that class (the reference);
+:class:`recforge.losses.sampled.CrossEntropy`, which calls it. ``impl="pytorch"`` is the written-out
+reference below;
 ``impl="triton"`` runs the row-wise kernels of :mod:`recforge.kernels.sampled_loss_triton` behind a
 ``torch.autograd.Function``, so neither the corrected score matrix nor the softmax is kept for
 backward: only two float32 numbers per row.
@@ -22,10 +23,11 @@ import warnings
 import torch
 from torch import Tensor
 
-from recforge.losses.sampled import BPRMax, CrossEntropy
+from torch.nn import functional as F
 
 __all__ = [
     "IMPLS",
+    "negatives_softmax",
     "sampled_bprmax",
     "sampled_bprmax_reference",
     "sampled_softmax_xe",
@@ -107,16 +109,36 @@ def _validate(scores: Tensor, log_q: Tensor | None, logq: float, batch_size: int
         if log_q is None:
             raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
         if log_q.dim() != 1 or log_q.shape[0] != n_cols:
-            raise ValueError(f"log_q must be 1-D [C] with C={n_cols}, got shape {tuple(log_q.shape)}")
+            raise ValueError(
+                f"log_q must be 1-D [C] with C={n_cols}, got shape {tuple(log_q.shape)}"
+            )
         if log_q.device != scores.device:
             raise ValueError(f"log_q is on {log_q.device}, scores on {scores.device}")
+
+
+def negatives_softmax(r: Tensor) -> Tensor:
+    """Row-wise softmax over each row's negatives (its target column gets weight 0).
+
+    Mask, subtract the row max over the masked matrix (the zeroed diagonal takes part, as in the
+    reference), exponentiate and mask again. Not detached: BPR-max and TOP1-max train through it.
+    """
+    n_rows = r.shape[0]
+    off_diag = torch.ones_like(r)
+    off_diag[:, :n_rows].fill_diagonal_(0.0)
+    masked = r * off_diag
+    e = torch.exp(masked - masked.max(dim=1, keepdim=True).values) * off_diag
+    return e / e.sum(dim=1, keepdim=True)
 
 
 def sampled_softmax_xe_reference(
     scores: Tensor, log_q: Tensor | None, logq: float, batch_size: int
 ) -> Tensor:
-    """The PyTorch reference: :class:`recforge.losses.sampled.CrossEntropy` itself."""
-    return CrossEntropy(logq)(scores, batch_size, log_q)
+    """The PyTorch reference, written out (not torch.softmax) to round like GRU4Rec's code."""
+    if logq > 0.0:
+        scores = scores - logq * log_q.unsqueeze(0)
+    e = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
+    probs = e / e.sum(dim=1, keepdim=True)
+    return -torch.log(torch.diagonal(probs) + 1e-24).sum() / batch_size
 
 
 class _SampledSoftmaxXE(torch.autograd.Function):
@@ -185,8 +207,13 @@ def sampled_softmax_xe(
 def sampled_bprmax_reference(
     scores: Tensor, bpreg: float, elu_param: float, batch_size: int
 ) -> Tensor:
-    """The PyTorch reference: :class:`recforge.losses.sampled.BPRMax` itself."""
-    return BPRMax(bpreg, elu_param)(scores, batch_size)
+    """The PyTorch reference: -log Σ_j s_ij σ(r_ii - r_ij) + bpreg Σ_j s_ij r_ij², r = ELU(scores)."""
+    r = F.elu(scores, alpha=elu_param) if elu_param > 0 else scores
+    s = negatives_softmax(r)
+    target = torch.diagonal(r).unsqueeze(1)
+    pairwise = (s * torch.sigmoid(target - r)).sum(dim=1)
+    loss = -torch.log(pairwise + 1e-24) + bpreg * (s * r * r).sum(dim=1)
+    return loss.sum() / batch_size
 
 
 class _SampledBPRMax(torch.autograd.Function):

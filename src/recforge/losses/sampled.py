@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recforge.kernels.sampled_loss import negatives_softmax, sampled_bprmax, sampled_softmax_xe
+
 # Every next-item loss consumes this kind of score matrix; models that produce it declare the same.
 NEXT_ITEM_COLUMNS = "next_item_columns"
 
@@ -36,34 +38,17 @@ class CrossEntropy(SampledLoss):
     column's sampling weight (raw popularity for in-batch targets, popularity^alpha for samples).
     """
 
-    def __init__(self, logq: float = 0.0) -> None:
+    def __init__(self, logq: float = 0.0, kernel: str = "pytorch") -> None:
         super().__init__()
         self.logq = float(logq)
+        self.kernel = kernel
 
     def forward(
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.logq > 0.0:
-            if log_q is None:
-                raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
-            scores = scores - self.logq * log_q.unsqueeze(0)
-        # Written out (not torch.softmax) to round like the reference implementation.
-        e = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
-        probs = e / e.sum(dim=1, keepdim=True)
-        return -torch.log(torch.diagonal(probs) + 1e-24).sum() / batch_size
-
-
-def _negatives_softmax(r: torch.Tensor) -> torch.Tensor:
-    """Row-wise softmax over each row's negatives (its target column gets weight 0)."""
-    n_rows = r.shape[0]
-    off_diag = torch.ones_like(r)
-    off_diag[:, :n_rows].fill_diagonal_(0.0)
-    # Mask, then subtract the row max over the masked matrix (the zeroed diagonal takes part),
-    # exponentiate and mask again, as the reference does: the max shift only has to be some upper
-    # bound for stability, and matching it keeps rounding identical.
-    masked = r * off_diag
-    e = torch.exp(masked - masked.max(dim=1, keepdim=True).values) * off_diag
-    return e / e.sum(dim=1, keepdim=True)
+        if self.logq > 0.0 and log_q is None:
+            raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
+        return sampled_softmax_xe(scores, log_q, self.logq, batch_size, impl=self.kernel)
 
 
 class _ELUScored(SampledLoss):
@@ -84,19 +69,15 @@ class BPRMax(_ELUScored):
     detached. With ``elu_param > 0`` the scores first pass through ELU(alpha=elu_param).
     """
 
-    def __init__(self, bpreg: float = 1.0, elu_param: float = 0.5) -> None:
+    def __init__(self, bpreg: float = 1.0, elu_param: float = 0.5, kernel: str = "pytorch") -> None:
         super().__init__(elu_param)
         self.bpreg = float(bpreg)
+        self.kernel = kernel
 
     def forward(
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
     ) -> torch.Tensor:
-        r = self.activation(scores)
-        s = _negatives_softmax(r)
-        target = torch.diagonal(r).unsqueeze(1)
-        pairwise = (s * torch.sigmoid(target - r)).sum(dim=1)
-        loss = -torch.log(pairwise + 1e-24) + self.bpreg * (s * r * r).sum(dim=1)
-        return loss.sum() / batch_size
+        return sampled_bprmax(scores, self.bpreg, self.elu_param, batch_size, impl=self.kernel)
 
 
 class TOP1Max(_ELUScored):
@@ -113,7 +94,7 @@ class TOP1Max(_ELUScored):
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
     ) -> torch.Tensor:
         r = self.activation(scores)
-        s = _negatives_softmax(r)
+        s = negatives_softmax(r)
         target = torch.diagonal(r).unsqueeze(1)
         # The target column carries weight 0 in s, so summing over all columns is the sum over
         # negatives.

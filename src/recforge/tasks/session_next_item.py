@@ -135,10 +135,11 @@ class SessionNextItemTask(L.LightningModule):
         if batch.size == 0:
             # A DDP rank that ran out of sessions still joins the gradient all-reduce, with a
             # zero loss built through the same parameters so every gradient has the same layout.
+            # (two rows: every loss, BPR-max without extra samples included, needs a negative)
             batch = SessionStep(
-                inputs=torch.zeros(1, dtype=torch.long, device=self.device),
-                targets=torch.zeros(1, dtype=torch.long, device=self.device),
-                reset=torch.ones(1, dtype=torch.bool, device=self.device),
+                inputs=torch.zeros(2, dtype=torch.long, device=self.device),
+                targets=torch.zeros(2, dtype=torch.long, device=self.device),
+                reset=torch.ones(2, dtype=torch.bool, device=self.device),
             )
             loss = self._train_loss(batch, hidden=None) * 0.0
             self._train_hidden = [h[:0] for h in self._train_hidden] if self._train_hidden else None
