@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,8 @@ def evaluation_config(cfg: DictConfig) -> DictConfig:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Test a checkpoint with its run's data and model; write metrics.json; return the metrics."""
+    # Testing restores only weights and data state; the training callbacks it names are not needed.
+    warnings.filterwarnings("ignore", message=r".*callbacks used to create the checkpoint need")
     cfg = evaluation_config(cfg)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
