@@ -39,7 +39,6 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     """Instantiate the data module and the task (model, loss, optimizer, metrics) it feeds."""
     check_combination(cfg, CONF_DIR, _choices())
     datamodule = instantiate(cfg.data)
-    catalog = datamodule.catalog
     # _convert_: plain containers in the task's hyper-parameters keep checkpoints loadable with
     # torch.load(weights_only=True).
     task = instantiate(
@@ -48,9 +47,10 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
         model=instantiate(cfg.model),
         loss=instantiate(cfg.loss),
         optimizer=instantiate(cfg.optimizer),
-        n_items=catalog.n_items,
-        item_popularity=catalog.popularity,
         evaluation=OmegaConf.to_container(cfg.evaluation, resolve=True),
+        # what the task must know about the data (catalogue size, popularity, ...): each data
+        # module says, so build() stays the same for every model family
+        **datamodule.task_inputs(),
     )
     return datamodule, task
 

@@ -106,6 +106,10 @@ class SessionDataModule(L.LightningDataModule):
             self._check_item_map()
         return self._catalog
 
+    def task_inputs(self) -> dict:
+        """Keyword arguments the training task takes from the data: the item catalogue."""
+        return {"n_items": self.catalog.n_items, "item_popularity": self.catalog.popularity}
+
     def split(self, name: str) -> SessionArrays:
         if name not in self._splits:
             catalog = self.catalog
