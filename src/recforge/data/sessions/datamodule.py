@@ -7,7 +7,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 
 from recforge.data.batches import SessionStep
 from recforge.data.sessions.datasets import SessionParallelSteps
@@ -67,7 +66,7 @@ class SessionDataModule(L.LightningDataModule):
         self.keys = dict(session_key=session_key, item_key=item_key, time_key=time_key)
         self._catalog: ItemCatalog | None = None
         self._splits: dict[str, SessionArrays] = {}
-        self._checkpoint_item_ids: np.ndarray | None = None
+        self._checkpoint_state: dict | None = None  # item-map summary of a restored checkpoint
 
     # ---------------------------------------------------------------- data
     @staticmethod
@@ -186,7 +185,7 @@ class SessionDataModule(L.LightningDataModule):
             self._check_item_map()
 
     def _check_item_map(self) -> None:
-        state = getattr(self, "_checkpoint_state", None)
+        state = self._checkpoint_state
         if state is None or self._catalog is None:
             return
         mine = self.state_dict()
