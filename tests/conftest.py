@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 # Triton kernels run in its interpreter on CPU-only machines; the switch is read when a kernel is
 # defined, so it must be set before any kernel module is imported.
@@ -47,7 +51,7 @@ CHEAP = [
 
 def compose_config(
     name: str, overrides: list[str], output_dir: Path, data_dir: Path
-) -> "DictConfig":  # noqa: F821
+) -> DictConfig:
     """Compose conf/<name>.yaml like Hydra's command line would, with paths set for a test."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
