@@ -13,7 +13,7 @@ from recforge.losses.sampled import CrossEntropy
 pytestmark = pytest.mark.triton
 
 triton_usable = pytest.mark.skipif(
-    sl._triton_unusable_reason(torch.zeros(1, 1)) is not None,
+    sl.TRITON.unusable_reason(torch.zeros(1, 1)) is not None,
     reason="Triton cannot run here (not importable, or CPU without TRITON_INTERPRET=1)",
 )
 
@@ -136,8 +136,8 @@ def _count_launches(monkeypatch) -> list[int]:
 
 
 def test_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
-    monkeypatch.setattr(sl, "_triton_available", lambda: False)
-    monkeypatch.setattr(sl, "_WARNED", False)
+    monkeypatch.setattr(sl.TRITON, "available", lambda: False)
+    monkeypatch.setattr(sl.TRITON, "warned", False)
     calls = _count_launches(monkeypatch)
     scores = _scores(3, 8, "random", seed=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -156,7 +156,7 @@ def test_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
 
 @triton_usable
 def test_float64_falls_back(monkeypatch) -> None:
-    monkeypatch.setattr(sl, "_WARNED", False)
+    monkeypatch.setattr(sl.TRITON, "warned", False)
     calls = _count_launches(monkeypatch)
     scores = _scores(3, 8, "random", seed=1).double()
     with pytest.warns(RuntimeWarning, match="float64"):
@@ -272,8 +272,8 @@ def test_bprmax_equals_loss_module_and_strided_scores() -> None:
 
 
 def test_bprmax_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
-    monkeypatch.setattr(sl, "_triton_available", lambda: False)
-    monkeypatch.setattr(sl, "_WARNED", False)
+    monkeypatch.setattr(sl.TRITON, "available", lambda: False)
+    monkeypatch.setattr(sl.TRITON, "warned", False)
     calls: list[int] = []
     real = sl._SampledBPRMax.apply
     monkeypatch.setattr(sl._SampledBPRMax, "apply", lambda *a: calls.append(1) or real(*a))

@@ -159,8 +159,8 @@ def test_empty_batch() -> None:
 
 
 def test_unavailable_triton_warns_once_and_falls_back(monkeypatch, launches) -> None:
-    monkeypatch.setattr(tr, "_triton_available", lambda: False)
-    monkeypatch.setattr(tr, "_WARNED", False)
+    monkeypatch.setattr(tr.TRITON, "available", lambda: False)
+    monkeypatch.setattr(tr.TRITON, "warned", False)
     q, w, b, t = _problem("int", 9, 23, 4, True, seed=2)
     want = target_rank_counts_reference(q @ w.T + b, t)
     with warnings.catch_warnings(record=True) as caught:
@@ -178,7 +178,7 @@ def test_unavailable_triton_warns_once_and_falls_back(monkeypatch, launches) -> 
 
 def test_cpu_without_interpreter_falls_back(monkeypatch, launches) -> None:
     monkeypatch.setattr(trt, "interpreted", lambda: False)
-    monkeypatch.setattr(tr, "_WARNED", False)
+    monkeypatch.setattr(tr.TRITON, "warned", False)
     q, w, b, t = _problem("int", 5, 12, 4, False, seed=3)
     with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET=1 was not set"):
         got = target_rank_counts(q, w, b, t, impl="triton")
@@ -187,7 +187,7 @@ def test_cpu_without_interpreter_falls_back(monkeypatch, launches) -> None:
 
 
 def test_float64_falls_back(monkeypatch, launches) -> None:
-    monkeypatch.setattr(tr, "_WARNED", False)
+    monkeypatch.setattr(tr.TRITON, "warned", False)
     q, w, b, t = _problem("float", 5, 12, 4, True, seed=4)
     q, w, b = q.double().to(DEVICE), w.double().to(DEVICE), b.double().to(DEVICE)
     with pytest.warns(RuntimeWarning, match="float64"):

@@ -18,12 +18,12 @@ reference with one warning per process.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
 from torch.nn import functional as F
+
+from recforge.kernels.twin import TritonTwin
 
 __all__ = [
     "IMPLS",
@@ -37,54 +37,7 @@ __all__ = [
 #: Implementations accepted by :func:`sampled_softmax_xe`.
 IMPLS: tuple[str, ...] = ("pytorch", "triton")
 
-# Lazily imported Triton twin: None = not tried yet, False = import failed.
-_TRITON_MODULE = None
-_TRITON_IMPORT_ERROR: str | None = None
-# Whether the "Triton unusable, falling back" warning was already given (once per process).
-_WARNED = False
-
-
-def _triton_module():
-    global _TRITON_MODULE, _TRITON_IMPORT_ERROR
-    if _TRITON_MODULE is None:
-        try:
-            from recforge.kernels import sampled_loss_triton
-        except Exception as exc:  # ImportError, or a broken Triton install failing on import
-            _TRITON_MODULE = False
-            _TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-        else:
-            _TRITON_MODULE = sampled_loss_triton
-    return _TRITON_MODULE or None
-
-
-def _triton_available() -> bool:
-    """Whether the Triton twin imports (tests patch this to simulate a machine without Triton)."""
-    return _triton_module() is not None
-
-
-def _triton_unusable_reason(scores: Tensor) -> str | None:
-    """Why the Triton twin cannot take these scores, or None when it can."""
-    if not _triton_available():
-        return f"Triton could not be imported ({_TRITON_IMPORT_ERROR or 'unavailable'})"
-    module = _triton_module()
-    if scores.dtype not in module.KERNEL_DTYPES:
-        return f"the kernel computes in float32 and does not take {scores.dtype}"
-    if scores.device.type == "cuda" or module.interpreted():
-        return None
-    return f"tensors are on {scores.device.type} and TRITON_INTERPRET=1 was not set"
-
-
-def _warn_fallback(reason: str, op: str) -> None:
-    global _WARNED
-    if _WARNED:
-        return
-    _WARNED = True
-    warnings.warn(
-        f"{op}(impl='triton'): {reason}; using the PyTorch implementation "
-        "(this warning is shown once)",
-        RuntimeWarning,
-        stacklevel=3,  # past this helper and the public op: the caller's line
-    )
+TRITON = TritonTwin("recforge.kernels.sampled_loss_triton")
 
 
 def _validate_scores(scores: Tensor, batch_size: int) -> None:
@@ -144,7 +97,7 @@ def sampled_softmax_xe_reference(
 class _SampledSoftmaxXE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: Tensor, log_q: Tensor | None, logq: float, batch_size: int) -> Tensor:
-        module = _triton_module()
+        module = TRITON.module()
         loss, row_max, row_sum = module.softmax_xe_forward(scores, log_q, logq)
         ctx.save_for_backward(scores, log_q, row_max, row_sum)
         ctx.logq = logq
@@ -158,7 +111,7 @@ class _SampledSoftmaxXE(torch.autograd.Function):
         grad_scores = grad_log_q = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             scale = grad_out.detach().to(torch.float32) / ctx.batch_size
-            grad_scores = _triton_module().softmax_xe_backward(
+            grad_scores = TRITON.module().softmax_xe_backward(
                 scores, log_q, ctx.logq, row_max, row_sum, scale
             )
             if ctx.needs_input_grad[1]:
@@ -196,10 +149,10 @@ def sampled_softmax_xe(
     logq = float(logq)
     _validate(scores, log_q, logq, batch_size)
     if impl == "triton":
-        reason = _triton_unusable_reason(scores)
+        reason = TRITON.unusable_reason(scores)
         if reason is None:
             return _SampledSoftmaxXE.apply(scores, log_q if logq > 0.0 else None, logq, batch_size)
-        _warn_fallback(reason, "sampled_softmax_xe")
+        TRITON.warn_fallback("sampled_softmax_xe", reason, stacklevel=2)
     return sampled_softmax_xe_reference(scores, log_q, logq, batch_size)
 
 
@@ -219,7 +172,7 @@ def sampled_bprmax_reference(
 class _SampledBPRMax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> Tensor:
-        loss, stats = _triton_module().bprmax_forward(scores, bpreg, elu_param)
+        loss, stats = TRITON.module().bprmax_forward(scores, bpreg, elu_param)
         ctx.save_for_backward(scores, stats)
         ctx.bpreg, ctx.elu_param, ctx.batch_size = bpreg, elu_param, batch_size
         return (loss.sum() / batch_size).to(scores.dtype)
@@ -230,7 +183,7 @@ class _SampledBPRMax(torch.autograd.Function):
             return None, None, None, None
         scores, stats = ctx.saved_tensors
         scale = grad_out.detach().to(torch.float32) / ctx.batch_size
-        grad = _triton_module().bprmax_backward(scores, ctx.bpreg, ctx.elu_param, stats, scale)
+        grad = TRITON.module().bprmax_backward(scores, ctx.bpreg, ctx.elu_param, stats, scale)
         return grad, None, None, None
 
 
@@ -266,8 +219,8 @@ def sampled_bprmax(
         # no negatives: the softmax over them is 0/0 (NaN in the reference too)
         raise ValueError(f"BPR-max needs C >= 2 columns, got shape {tuple(scores.shape)}")
     if impl == "triton":
-        reason = _triton_unusable_reason(scores)
+        reason = TRITON.unusable_reason(scores)
         if reason is None:
             return _SampledBPRMax.apply(scores, bpreg, elu_param, batch_size)
-        _warn_fallback(reason, "sampled_bprmax")
+        TRITON.warn_fallback("sampled_bprmax", reason, stacklevel=2)
     return sampled_bprmax_reference(scores, bpreg, elu_param, batch_size)

@@ -12,71 +12,17 @@ in :mod:`recforge.kernels.target_rank_triton`, imported lazily so that this modu
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
+
+from recforge.kernels.twin import TritonTwin
 
 __all__ = ["IMPLS", "target_rank_counts", "target_rank_counts_reference"]
 
 #: Implementations accepted by :func:`target_rank_counts`.
 IMPLS: tuple[str, ...] = ("pytorch", "triton")
 
-# Lazily imported Triton twin: None = not tried yet, False = import failed.
-_TRITON_MODULE = None
-_TRITON_IMPORT_ERROR: str | None = None
-# Whether the "Triton unusable, falling back" warning was already given (once per process).
-_WARNED = False
-
-
-def _triton_module():
-    global _TRITON_MODULE, _TRITON_IMPORT_ERROR
-    if _TRITON_MODULE is None:
-        try:
-            from recforge.kernels import target_rank_triton
-        except Exception as exc:  # ImportError, or a broken Triton install failing on import
-            _TRITON_MODULE = False
-            _TRITON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-        else:
-            _TRITON_MODULE = target_rank_triton
-    return _TRITON_MODULE or None
-
-
-def _triton_available() -> bool:
-    """Whether the Triton twin imports (tests patch this to simulate a machine without Triton)."""
-    return _triton_module() is not None
-
-
-def _triton_unusable_reason(*tensors: Tensor) -> str | None:
-    """Why the Triton twin cannot take these tensors, or None when it can."""
-    if not _triton_available():
-        return f"Triton could not be imported ({_TRITON_IMPORT_ERROR or 'unavailable'})"
-    module = _triton_module()
-    dtypes = {t.dtype for t in tensors}
-    if not dtypes <= set(module.KERNEL_DTYPES):
-        names = ", ".join(sorted(str(d) for d in dtypes - set(module.KERNEL_DTYPES)))
-        return f"the kernel accumulates in float32 and does not take {names}"
-    if tensors[0].device.type == "cuda":
-        return None
-    # The interpreter is chosen when the kernel is defined, so the module knows; the environment
-    # variable is named in the message because that is what a user sets.
-    if module.interpreted():
-        return None
-    return f"tensors are on {tensors[0].device.type} and TRITON_INTERPRET=1 was not set"
-
-
-def _warn_fallback(reason: str) -> None:
-    global _WARNED
-    if _WARNED:
-        return
-    _WARNED = True
-    warnings.warn(
-        f"target_rank_counts(impl='triton'): {reason}; using the PyTorch implementation "
-        "(this warning is shown once)",
-        RuntimeWarning,
-        # past this helper, target_rank_counts and torch.no_grad's wrapper: the caller's line
-        stacklevel=4,
-    )
+TRITON = TritonTwin("recforge.kernels.target_rank_triton")
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -175,10 +121,11 @@ def target_rank_counts(
 
     if impl == "triton":
         tensors = [queries, item_weights] + ([item_bias] if item_bias is not None else [])
-        reason = _triton_unusable_reason(*tensors)
+        reason = TRITON.unusable_reason(*tensors)
         if reason is None:
-            return _triton_module().target_rank_counts_triton(queries, item_weights, item_bias, targets)
-        _warn_fallback(reason)
+            return TRITON.module().target_rank_counts_triton(queries, item_weights, item_bias, targets)
+        # past warn_fallback, this function and torch.no_grad's wrapper: the caller's line
+        TRITON.warn_fallback("target_rank_counts", reason, stacklevel=3)
 
     dtypes = [queries.dtype, item_weights.dtype]
     if item_bias is not None:
