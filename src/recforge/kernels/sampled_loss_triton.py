@@ -155,8 +155,7 @@ def softmax_xe_forward(
     """
     n_rows, n_cols = scores.shape
     device = scores.device
-    on_gpu = device.type == "cuda" and not interpreted()
-    block = block_c or _block_c(n_cols, on_gpu)
+    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     row_max = torch.empty_like(loss)
     row_sum = torch.empty_like(loss)
@@ -188,8 +187,7 @@ def softmax_xe_backward(
     grad = torch.empty((n_rows, n_cols), dtype=scores.dtype, device=device)
     if n_rows == 0:
         return grad
-    on_gpu = device.type == "cuda" and not interpreted()
-    block = block_c or _block_c(n_cols, on_gpu)
+    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
     has_logq = log_q is not None
     lq = log_q.contiguous() if has_logq else scores
     scale = scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
@@ -334,8 +332,7 @@ def bprmax_forward(
     """Per-row BPR-max losses ``[B']`` and the ``[5, B']`` float32 statistics backward needs."""
     n_rows, n_cols = scores.shape
     device = scores.device
-    on_gpu = device.type == "cuda" and not interpreted()
-    block = block_c or _block_c(n_cols, on_gpu)
+    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     stats = torch.empty((N_BPR_STATS, n_rows), dtype=torch.float32, device=device)
     if n_rows == 0:
@@ -362,8 +359,7 @@ def bprmax_backward(
     grad = torch.empty((n_rows, n_cols), dtype=scores.dtype, device=device)
     if n_rows == 0:
         return grad
-    on_gpu = device.type == "cuda" and not interpreted()
-    block = block_c or _block_c(n_cols, on_gpu)
+    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
     scale = scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
     _bprmax_backward_kernel[(n_rows,)](
         scores, stats, scale, grad,
