@@ -61,15 +61,17 @@ class IndexedAdagradM(torch.optim.Optimizer):
         else:
             p.addcdiv_(grad, denom, value=-lr)
 
+    # The rows of a coalesced gradient are unique, so adding into them in place rounds exactly like
+    # "gather, add, copy back"; index_add_ and index_select are several times cheaper on CPU than
+    # advanced indexing and index_copy_, which only the velocity (scaled, then added) still needs.
     @staticmethod
     def _sparse_step(p, grad, state, lr, mu, eps) -> None:
         rows = grad._indices()[0]
         values = grad._values()
-        acc_rows = state["sum"][rows] + values.pow(2)
-        state["sum"].index_copy_(0, rows, acc_rows)
-        neg_scaled_denom = acc_rows.add_(eps).sqrt_().mul_(-1.0 / lr)
+        state["sum"].index_add_(0, rows, values.pow(2))
+        neg_scaled_denom = state["sum"].index_select(0, rows).add_(eps).sqrt_().mul_(-1.0 / lr)
         if mu > 0:
-            velocity = state["velocity"][rows]
+            velocity = state["velocity"].index_select(0, rows)
             velocity.mul_(mu).add_(values / neg_scaled_denom)
             state["velocity"].index_copy_(0, rows, velocity)
             p.index_add_(0, rows, velocity)
