@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recforge.models.row_lookup import shared_row_lookup
+
 
 def _uniform_(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
     bound = math.sqrt(6.0 / (fan_in + fan_out))
@@ -222,8 +224,11 @@ class GRU4Rec(nn.Module):
         if not self.constrained_embedding:
             output, new_hidden = self.step(items, hidden)
             return self.score_columns(output, columns), new_hidden
-        rows = self.Wy(torch.cat([items, columns]))
-        x, weights = rows[: len(items)], rows[len(items) :]
+        if self.Wy.sparse:
+            x, weights = shared_row_lookup(self.Wy.weight, items, columns)
+        else:
+            rows = self.Wy(torch.cat([items, columns]))
+            x, weights = rows[: len(items)], rows[len(items) :]
         output, new_hidden = self._recur(self._drop_embedding(x), hidden)
         return output @ weights.T + self.By(columns).T, new_hidden
 
