@@ -1,4 +1,4 @@
-"""The exact oracle: one epoch of the official GRU4Rec PyTorch code, retraced step by step.
+"""The exact oracles: epochs of the official GRU4Rec PyTorch code, retraced step by step.
 
 ../shared/data/reference/gru4rec_trajectory_cross-entropy.npz holds the reference's initial
 weights, every mini-batch loss of one deterministic epoch (cross-entropy, logq 1, batch 32, shared
@@ -8,6 +8,8 @@ Lightning loop must give the same losses, weights and metrics: this covers the i
 order, session-parallel iterator, resets, loss, logq and the optimizer at once.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +115,104 @@ def test_one_epoch_retraces_the_official_implementation(reference, shared_data_d
     hits_at_20 = round(float(full["test/recall@20"]) * test.n_targets)
     assert test.n_targets == 10152
     assert hits_at_20 >= round(reference["recall"][3] * 10122)  # every target scored, none lost
+
+
+# -------------------------------------------------------------------------------------- bpr-max
+# tests/data/gru4rec_bprmax_epoch_reference.npz (see tests/data/README.md): one epoch of the
+# official code with the constrained bpr-max sample parameters and 2048 uniformly sampled
+# negatives per mini-batch, started from its own compatibility-mode initialisation.
+BPRMAX_ORACLE = Path(__file__).parent / "data" / "gru4rec_bprmax_epoch_reference.npz"
+BPRMAX_TORCH_SEED = 7  # the official code's torch seed, which fixes its sample store
+
+
+def reference_compat_init(n_items: int, hidden: int) -> dict[str, np.ndarray]:
+    """The official code's compatibility-mode weights (spec §1.7): numpy seeded with 42, one
+    uniform ±sqrt(6/(fan_in+fan_out)) block per gate, drawn in its order, in float32."""
+    rng_state = np.random.get_state()
+    np.random.seed(42)
+
+    def block(rows: int, cols: int) -> np.ndarray:
+        sigma = float(np.sqrt(6.0 / (rows + cols)))
+        return np.random.rand(rows, cols).astype("float32") * 2 * sigma - sigma
+
+    try:
+        weight_ih = np.vstack([block(hidden, hidden) for _ in range(3)])
+        weight_hh = np.vstack([block(hidden, hidden) for _ in range(3)])
+        wy = block(n_items, hidden)
+    finally:
+        np.random.set_state(rng_state)
+    zeros = np.zeros(3 * hidden, dtype="float32")
+    return {"G.0.weight_ih": weight_ih, "G.0.weight_hh": weight_hh, "G.0.bias_ih": zeros,
+            "G.0.bias_hh": zeros, "Wy.weight": wy, "By.weight": np.zeros((n_items, 1), "float32")}
+
+
+class ReplayedNegatives:
+    """The official sample store: after torch.manual_seed, float32 uniforms, each mapped to the
+    first item whose float32 CDF exceeds it; one row of n_sample items per mini-batch."""
+
+    def __init__(self, n_items: int, n_sample: int, store_size: int = 10_000_000) -> None:
+        rows = store_size // n_sample
+        cdf = np.cumsum(np.ones(n_items)) / n_items  # popularity ** 0: uniform
+        cdf[-1] = 1.0
+        torch.manual_seed(BPRMAX_TORCH_SEED)
+        u = torch.rand(rows * n_sample, dtype=torch.float32)
+        self.store = torch.searchsorted(torch.tensor(cdf, dtype=torch.float32), u, right=True)
+        self.store = self.store.view(rows, n_sample)
+        self.next = 0
+
+    def sample(self) -> torch.Tensor:
+        row = self.store[self.next]
+        self.next += 1
+        return row
+
+
+def test_bprmax_epoch_with_sampled_negatives_retraces_the_official_implementation(
+    shared_data_dir, make_cfg
+):
+    if not BPRMAX_ORACLE.exists():
+        pytest.fail(f"the bpr-max oracle ships with the tests, but {BPRMAX_ORACLE} is missing")
+    oracle = np.load(BPRMAX_ORACLE)
+    sample = shared_data_dir / "yoochoose"
+    if not sample.exists():
+        pytest.skip(f"YooChoose sample not found at {sample}")
+    cfg = make_cfg(
+        "data=rsc15",
+        f"data.train_path={sample / 'yoochoose-clicks-100k_train_full.txt'}",
+        f"data.test_path={sample / 'yoochoose-clicks-100k_test.txt'}",
+        "data.batch_size=32",
+        "model.hidden_size=100",
+        "loss=bprmax",
+        "loss.bpreg=0.5",
+        "loss.elu_param=0.5",
+        "task.n_sample=2048",
+        "task.sample_alpha=0.0",
+        "optimizer=adagrad_momentum",
+        "optimizer.lr=0.2",
+        "optimizer.momentum=0.1",
+        "callbacks=none",
+        "logger=csv",
+    )
+    datamodule, task = build(cfg)
+    n_items = datamodule.catalog.n_items
+    with torch.no_grad():
+        for mine, theirs in PARAMS.items():
+            init = reference_compat_init(n_items, 100)[theirs]
+            task.model.get_parameter(mine).copy_(torch.from_numpy(init))
+    # The task draws its negatives from its sampler; the official code's store replaces it.
+    task._sampler = replay = ReplayedNegatives(n_items, 2048)
+
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    trainer.fit(task, datamodule=datamodule)
+
+    assert replay.next == len(oracle["losses"]) == 1650  # one store row per mini-batch
+    np.testing.assert_allclose(recorder.losses, oracle["losses"], rtol=1e-5, atol=1e-6)
+    for mine, theirs in PARAMS.items():
+        np.testing.assert_allclose(
+            task.model.get_parameter(mine).detach().numpy(), oracle[f"final/{theirs}"],
+            rtol=1e-4, atol=1e-5, err_msg=mine,
+        )

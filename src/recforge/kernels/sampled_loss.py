@@ -160,12 +160,16 @@ def sampled_softmax_xe(
 def sampled_bprmax_reference(
     scores: Tensor, bpreg: float, elu_param: float, batch_size: int
 ) -> Tensor:
-    """The PyTorch reference: -log Σ_j s_ij σ(r_ii - r_ij) + bpreg Σ_j s_ij r_ij², r = ELU(scores)."""
+    """The PyTorch reference: -log Σ_j s_ij σ(r_ii - r_ij) + bpreg Σ_j s_ij r_ij², r = ELU(scores).
+
+    Written in GRU4Rec's own order of float operations (r² first, then times s), so that given the
+    same weights and negatives a run retraces the official code bit for bit.
+    """
     r = F.elu(scores, alpha=elu_param) if elu_param > 0 else scores
     s = negatives_softmax(r)
     target = torch.diagonal(r).unsqueeze(1)
-    pairwise = (s * torch.sigmoid(target - r)).sum(dim=1)
-    loss = -torch.log(pairwise + 1e-24) + bpreg * (s * r * r).sum(dim=1)
+    pairwise = (torch.sigmoid(target - r) * s).sum(dim=1)
+    loss = -torch.log(pairwise + 1e-24) + bpreg * (r.pow(2) * s).sum(dim=1)
     return loss.sum() / batch_size
 
 
