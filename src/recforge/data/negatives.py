@@ -1,7 +1,24 @@
 """Popularity-based negative sampling for sampled next-item losses (GRU4Rec, spec §1.5)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+# Tags this module's random stream apart from every other use of the run's seed.
+_NEGATIVES_STREAM = 0x6E6567
+
+
+def negatives_generator_seed(seed: int, stream: int = 0) -> int:
+    """The sampler's generator seed, derived from the run seed and a stream number (DDP rank).
+
+    The run seed also seeds torch's global generator, which draws the initial weights. Seeding the
+    sampler with that same number would replay those very uniforms as negatives: the first few
+    hundred mini-batches' samples would be a function of the initial item vectors. Ranks must not
+    share a stream either, nor collide with another run's seed (``seed + rank`` would).
+    """
+    words = np.random.SeedSequence(int(seed), spawn_key=(_NEGATIVES_STREAM, int(stream)))
+    high, low = (int(w) for w in words.generate_state(2, dtype=np.uint32))
+    return (high << 32 | low) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class PopularitySampler:
@@ -10,6 +27,8 @@ class PopularitySampler:
     One draw is shared by every row of a mini-batch. Draws come from a pre-drawn store of
     ``store_size // n_sample`` mini-batches, refilled when used up, so the inverse-CDF search runs
     in large vectorised blocks. ``alpha=0`` is uniform, 1 is proportional to popularity.
+    ``seed`` and ``stream`` (the DDP rank) pick the generator through
+    :func:`negatives_generator_seed`, independent of torch's global generator.
 
     The sampler's position is part of training state (``state_dict``): a resumed run draws the
     same negatives as an uninterrupted one.
@@ -22,6 +41,7 @@ class PopularitySampler:
         alpha: float = 0.5,
         store_size: int = 10_000_000,
         seed: int = 0,
+        stream: int = 0,
     ) -> None:
         if n_sample < 1:
             raise ValueError(f"n_sample must be >= 1 to sample, got {n_sample}")
@@ -33,7 +53,7 @@ class PopularitySampler:
         self.n_sample = int(n_sample)
         self.alpha = float(alpha)
         self.rows = max(1, int(store_size) // self.n_sample)
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.generator = torch.Generator().manual_seed(negatives_generator_seed(seed, stream))
         self._store: torch.Tensor | None = None
         self._next = 0
         self._state_at_fill: torch.Tensor | None = None

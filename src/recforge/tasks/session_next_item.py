@@ -40,7 +40,7 @@ class SessionNextItemTask(L.LightningModule):
             (0: the mini-batch's own targets are the only negatives).
         sample_alpha, sample_store_size: the sampling distribution's exponent and how many draws
             are made at once.
-        seed: seed of the negative sampler (offset by the DDP rank).
+        seed: seed of the negative sampler (one independent stream per DDP rank).
         gradient_clip_val, gradient_clip_algorithm: optional clipping ("norm" or "value") of
             the gradients, sparse item-table gradients included (the task optimises manually, so
             this replaces the Trainer's own clipping options).
@@ -120,7 +120,8 @@ class SessionNextItemTask(L.LightningModule):
                 self.n_sample,
                 self.sample_alpha,
                 self.sample_store_size,
-                seed=self.seed + self.global_rank,
+                seed=self.seed,
+                stream=self.global_rank,
             )
             if self._sampler_state is not None:
                 self._sampler.load_state_dict(self._sampler_state)
