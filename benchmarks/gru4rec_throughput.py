@@ -97,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="extra negative samples per mini-batch (task.n_sample); default: the config's value",
     )
+    p.add_argument(
+        "--steps-per-batch",
+        type=int,
+        default=None,
+        help="mini-batches per Lightning batch (data.steps_per_batch); default: the config's value",
+    )
     p.add_argument("--synthetic-items", type=int, default=20000)
     p.add_argument("--synthetic-sessions", type=int, default=100000)
     p.add_argument(
@@ -206,7 +212,8 @@ def describe(train_path: str, test_path: str, batch_sizes: list[int]) -> dict:
 
 # ----------------------------------------------------------------------------------- config
 def compose_config(
-    train_path: str, test_path: str, config: str, batch_size: int, workdir: Path, n_sample=None
+    train_path: str, test_path: str, config: str, batch_size: int, workdir: Path, n_sample=None,
+    steps_per_batch=None,
 ):
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
@@ -222,6 +229,8 @@ def compose_config(
     ]
     if n_sample is not None:
         overrides.append(f"task.n_sample={n_sample}")
+    if steps_per_batch is not None:
+        overrides.append(f"data.steps_per_batch={steps_per_batch}")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
@@ -264,7 +273,8 @@ def _window_timer(lead: int):
         def _end(self, batch, batch_idx: int) -> None:
             if batch_idx >= lead:
                 self.events += int(batch.size)
-                self.batches += 1
+                # mini-batches: a grouped Lightning batch (data.steps_per_batch) holds several
+                self.batches += int(getattr(batch, "n_steps", 1))
                 self.t1 = time.perf_counter()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -306,6 +316,9 @@ def _trainer(cfg, callbacks, **limits):
 
 
 def lightning_train(cfg, task, dm, lead: int, steps: int) -> tuple[int, int, float]:
+    # lead and steps count mini-batches; the Trainer counts (possibly grouped) Lightning batches
+    per_batch = int(getattr(dm, "steps_per_batch", 1))
+    lead, steps = -(-lead // per_batch), -(-steps // per_batch)
     timer = _window_timer(lead)
     trainer = _trainer(cfg, [timer], limit_train_batches=lead + steps)
     trainer.fit(task, datamodule=dm)
@@ -327,7 +340,9 @@ def bare_train(task, dm, optimizer, lead: int, steps: int) -> tuple[int, int, fl
     task.on_train_epoch_start()  # a fresh epoch: hidden state reset, like every Lightning window
     events = batches = 0
     t0 = t1 = None
-    for i, batch in enumerate(dm.train_dataloader()):
+    groups = dm.train_dataloader()
+    steps_in_order = (s for g in groups for s in getattr(g, "steps", (g,)))
+    for i, batch in enumerate(steps_in_order):
         if i == lead:
             t0 = time.perf_counter()
         # the task optimises manually inside training_step; without a Trainer, do it here
@@ -412,7 +427,9 @@ def load_average() -> str:
 
 def run_one(args, train_path, test_path, config, batch_size, workdir, log) -> dict:
     """All windows for one dataset x config x batch size, both levels interleaved window by window."""
-    cfg = compose_config(train_path, test_path, config, batch_size, workdir, args.n_sample)
+    cfg = compose_config(
+        train_path, test_path, config, batch_size, workdir, args.n_sample, args.steps_per_batch
+    )
     built = {}
     for level in args.levels:
         dm, task = build(cfg)
@@ -460,7 +477,10 @@ def run_one(args, train_path, test_path, config, batch_size, workdir, log) -> di
                 samples[level]["eval_events_per_s"].append(events / seconds)
                 counted[level].update(eval_events=events, eval_seconds=round(seconds, 3))
     task = built[args.levels[0]][1]
-    result = {"n_sample": int(getattr(task, "n_sample", 0) or 0)}
+    result = {
+        "n_sample": int(getattr(task, "n_sample", 0) or 0),
+        "steps_per_batch": int(getattr(built[args.levels[0]][0], "steps_per_batch", 1)),
+    }
     store = sampler_store_cost(task)
     if store:
         result["sampler_store"] = store
@@ -478,7 +498,7 @@ def run_one(args, train_path, test_path, config, batch_size, workdir, log) -> di
 
 def format_table(rows: list[dict]) -> str:
     head = [
-        "dataset", "config", "B", "neg", "level",
+        "dataset", "config", "B", "neg", "grp", "level",
         "train ev/s min", "median", "mb/s min", "median",
         "eval ev/s min", "median", "L/bare",
     ]
@@ -489,14 +509,15 @@ def format_table(rows: list[dict]) -> str:
             return fmt.format(s[stat]) if s else "-"
 
         lines.append([
-            r["dataset"], r["config"], str(r["batch_size"]), str(r["n_sample"]), r["level"],
+            r["dataset"], r["config"], str(r["batch_size"]), str(r["n_sample"]),
+            str(r.get("steps_per_batch", 1)), r["level"],
             f("train_events_per_s", "min"), f("train_events_per_s", "median"),
             f("train_batches_per_s", "min", "{:,.1f}"), f("train_batches_per_s", "median", "{:,.1f}"),
             f("eval_events_per_s", "min"), f("eval_events_per_s", "median"),
             r.get("ratio", ""),
         ])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    right = {2, 3, *range(5, len(head))}
+    right = {2, 3, 4, *range(6, len(head))}
 
     def fmt_line(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -574,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                     for level in args.levels:
                         rows.append(
                             dict(dataset=name, config=config, batch_size=batch_size, level=level,
-                                 n_sample=res["n_sample"], stats=res[level],
+                                 n_sample=res["n_sample"], steps_per_batch=res["steps_per_batch"],
+                                 stats=res[level],
                                  ratio=ratio if level == "lightning" else "")
                         )
                     results.append(

@@ -54,6 +54,7 @@ def test_one_epoch_retraces_the_official_implementation(reference, shared_data_d
         f"data.train_path={sample / 'yoochoose-clicks-100k_train_full.txt'}",
         f"data.test_path={sample / 'yoochoose-clicks-100k_test.txt'}",
         "data.batch_size=32",
+        "data.steps_per_batch=1",  # one Lightning batch per mini-batch: one recorded loss each
         "data.eval_batch_size=512",
         "model.hidden_size=100",
         "loss=xe",
@@ -180,6 +181,7 @@ def test_bprmax_epoch_with_sampled_negatives_retraces_the_official_implementatio
         f"data.train_path={sample / 'yoochoose-clicks-100k_train_full.txt'}",
         f"data.test_path={sample / 'yoochoose-clicks-100k_test.txt'}",
         "data.batch_size=32",
+        "data.steps_per_batch=1",  # one Lightning batch per mini-batch: one recorded loss each
         "model.hidden_size=100",
         "loss=bprmax",
         "loss.bpreg=0.5",

@@ -312,7 +312,7 @@ def test_config_switch_trains_through_the_fused_kernel(loss, make_cfg, monkeypat
     original = fn.apply
     monkeypatch.setattr(fn, "apply", lambda *a: calls.append(1) or original(*a))
     cfg = make_cfg(f"loss={loss}", "loss.kernel=triton", "task.n_sample=8", "trainer.fast_dev_run=2",
-                   "data.batch_size=4")
+                   "data.batch_size=4", "data.steps_per_batch=1")
     metrics = train(cfg)
     assert len(calls) == 2
     assert metrics["test/recall@20"] >= 0

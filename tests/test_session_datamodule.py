@@ -9,6 +9,7 @@ import pytest
 
 from recforge.data.sessions.datamodule import SessionDataModule, SyntheticSessionDataModule
 from recforge.data.sessions.io import write_session_file
+from recforge.errors import UserInputError
 
 
 def _write(path, rows):
@@ -64,6 +65,36 @@ def test_loaders_partition_sessions_by_rank(files):
     single = [(int(s.inputs[0]), int(s.targets[0])) for s in everything.train_dataloader()]
     assert sorted(seen[0] + seen[1]) == sorted(single)
     assert seen[0] and seen[1]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_grouped_steps_are_the_same_steps_in_order(files, world):
+    train, test = files
+    module = SimpleNamespace(min_batch_rows=1)
+
+    def loader(rank, per_batch):
+        dm = SessionDataModule(str(train), str(test), batch_size=1, steps_per_batch=per_batch)
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=world, lightning_module=module)
+        return dm.train_dataloader()
+
+    for rank in range(world):
+        plain = list(loader(rank, 1))
+        grouped_loader = loader(rank, 3)
+        groups = list(grouped_loader)
+        assert len(groups) == len(grouped_loader) == -(-len(plain) // 3)
+        assert [g.n_steps for g in groups[:-1]] == [3] * (len(groups) - 1)
+        flat = [step for g in groups for step in g.steps]
+        assert len(flat) == len(plain)
+        for a, b in zip(flat, plain):
+            assert a.inputs.tolist() == b.inputs.tolist() and a.targets.tolist() == b.targets.tolist()
+            assert a.reset.tolist() == b.reset.tolist()
+        assert sum(g.size for g in groups) == sum(s.size for s in plain)
+
+
+def test_steps_per_batch_must_be_a_positive_integer(files):
+    train, test = files
+    with pytest.raises(UserInputError, match="data.steps_per_batch"):
+        SessionDataModule(str(train), str(test), steps_per_batch=0)
 
 
 def test_checkpoint_from_another_item_map_is_refused(files, tmp_path):

@@ -79,6 +79,28 @@ def test_resume_matches_uninterrupted_run(make_cfg):
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_grouped_steps_train_exactly_like_single_steps(make_cfg):
+    """data.steps_per_batch only regroups the loop: same updates, same order, same weights."""
+    import lightning as L
+
+    def run(per_batch: int):
+        cfg = make_cfg(f"data.steps_per_batch={per_batch}", "task.n_sample=16", "seed=3",
+                       run=f"group{per_batch}")
+        L.seed_everything(3)
+        datamodule, task = build(cfg)
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(task, datamodule=datamodule)
+        return trainer.global_step, {k: v.detach().clone() for k, v in task.model.state_dict().items()}
+
+    steps_one, weights_one = run(1)
+    steps_five, weights_five = run(5)
+    assert steps_one == steps_five > 5  # optimizer steps, not Lightning batches
+    for name, value in weights_one.items():
+        assert torch.equal(value, weights_five[name]), name
+
+
 def test_eval_reproduces_training_test_metrics(make_cfg):
     trained = train(make_cfg())
     ckpt = trained["test_checkpoint"]

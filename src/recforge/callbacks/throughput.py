@@ -11,10 +11,16 @@ def _batch_events(batch) -> int:
     return int(size) if size is not None else 0
 
 
+def _batch_steps(batch) -> int:
+    """Mini-batches in a Lightning batch: several when the data layer groups steps."""
+    return int(getattr(batch, "n_steps", 1))
+
+
 class EventThroughput(L.Callback):
     """Counts events (rows of every batch) and wall time per epoch.
 
-    Logs ``train/events_per_s``, ``train/batches_per_s`` and ``val/events_per_s`` /
+    Logs ``train/events_per_s``, ``train/batches_per_s`` (mini-batches, i.e. optimizer steps, also
+    when the data layer groups several into one Lightning batch) and ``val/events_per_s`` /
     ``test/events_per_s`` at epoch end, and keeps the running training rate in the progress bar.
     Time spent in validation is excluded from the training rate.
     """
@@ -24,13 +30,14 @@ class EventThroughput(L.Callback):
         self.totals: dict[str, float] = {}
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._train = {"events": 0, "batches": 0, "seconds": 0.0, "t0": time.perf_counter()}
+        self._train = {"events": 0, "batches": 0, "calls": 0, "seconds": 0.0, "t0": time.perf_counter()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         t = self._train
         t["events"] += _batch_events(batch)
-        t["batches"] += 1
-        if self.prog_bar_every and t["batches"] % self.prog_bar_every == 0:
+        t["batches"] += _batch_steps(batch)
+        t["calls"] += 1
+        if self.prog_bar_every and t["calls"] % self.prog_bar_every == 0:
             elapsed = t["seconds"] + time.perf_counter() - t["t0"]
             pl_module.log("ev/s", t["events"] / max(elapsed, 1e-9), prog_bar=True, logger=False)
 

@@ -58,3 +58,29 @@ class SessionStep:
             h = h.masked_fill(self.reset.unsqueeze(1), 0.0)
             out.append(h)
         return out
+
+
+@dataclass
+class SessionSteps:
+    """Consecutive :class:`SessionStep` s handed to the task as one Lightning batch.
+
+    The task still takes one optimizer step per session step; grouping only spreads the training
+    loop's fixed cost per batch (hooks, fetching, progress tracking: ~15% of a GRU4Rec step on
+    CPU) over several steps. ``size`` counts events, ``n_steps`` the session steps.
+    """
+
+    steps: list[SessionStep]
+
+    @property
+    def size(self) -> int:
+        return sum(step.size for step in self.steps)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SessionSteps:
+        """The steps on ``device`` (itself when already there)."""
+        if not self.steps or self.steps[0].inputs.device == torch.device(device):
+            return self
+        return SessionSteps([step.to(device, non_blocking=non_blocking) for step in self.steps])

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from recforge.data.batches import SessionStep
+from recforge.data.batches import SessionStep, SessionSteps
 from recforge.data.negatives import PopularitySampler
 from recforge.kernels import target_rank_counts
 from recforge.losses.sampled import NEXT_ITEM_COLUMNS, SampledLoss
@@ -107,7 +107,7 @@ class SessionNextItemTask(L.LightningModule):
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         # Lightning's generic mover deep-copies dataclass batches (~1 ms a step on CPU, a fifth of
         # a GRU4Rec step); a session step knows how to move itself.
-        if isinstance(batch, SessionStep):
+        if isinstance(batch, (SessionStep, SessionSteps)):
             return batch.to(device, non_blocking=True)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
@@ -132,7 +132,18 @@ class SessionNextItemTask(L.LightningModule):
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_steps = 0
 
-    def training_step(self, batch: SessionStep, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: SessionStep | SessionSteps, batch_idx: int) -> torch.Tensor:
+        # A grouped batch (data.steps_per_batch > 1) is several steps, each with its own update.
+        steps = batch.steps if isinstance(batch, SessionSteps) else (batch,)
+        for step in steps:
+            loss = self._train_step(step)
+        # Lightning's per-call logging costs ~5% of a GRU4Rec step: the epoch mean is summed in
+        # _train_step and the step value is handed over only as often as the loggers write it.
+        if steps[-1].size and batch_idx % self.trainer.log_every_n_steps == 0:
+            self.log("train/loss_step", loss, prog_bar=True, batch_size=steps[-1].size)
+        return loss
+
+    def _train_step(self, batch: SessionStep) -> torch.Tensor:
         if batch.size == 0:
             # A DDP rank that ran out of sessions still joins the gradient all-reduce, with a
             # zero loss built through the same parameters so every gradient has the same layout.
@@ -148,12 +159,8 @@ class SessionNextItemTask(L.LightningModule):
             return loss
         loss = self._train_loss(batch, self._train_hidden)
         self._optimize(loss)
-        # Lightning's per-call logging costs ~5% of a GRU4Rec step: the epoch mean is summed here
-        # and the step value is handed over only as often as the loggers write it.
         self._loss_sum += loss.detach()
         self._loss_steps += 1
-        if batch_idx % self.trainer.log_every_n_steps == 0:
-            self.log("train/loss_step", loss, prog_bar=True, batch_size=batch.size)
         return loss
 
     def _optimize(self, loss: torch.Tensor, step: bool = True) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 
 from recforge.data.batches import SessionStep
-from recforge.data.sessions.datasets import SessionParallelSteps
+from recforge.data.sessions.datasets import GroupedSteps, SessionParallelSteps
 from recforge.data.sessions.io import read_session_file, sort_sessions
 from recforge.data.sessions.parallel import count_steps
 from recforge.data.sessions.store import ItemCatalog, SessionArrays
@@ -26,6 +26,11 @@ class SessionDataModule(L.LightningDataModule):
     is unknown to it are deleted (sessions spliced), as the reference protocol does. Under DDP each
     rank takes every world_size-th session and training steps are padded to the same count.
 
+    ``steps_per_batch`` > 1 hands ``steps_per_batch`` consecutive training steps to the task as one
+    Lightning batch (:class:`SessionSteps`); the task still updates once per step. The Trainer's
+    batch counts (``limit_train_batches``, ``val_check_interval``, ``log_every_n_steps``) then
+    count these groups, while ``trainer.global_step`` counts optimizer steps.
+
     Given ``raw_path`` (and ``dataset``), the raw public files are preprocessed once into
     ``prepared_dir`` (spec §1.9; reused while inputs and parameters are unchanged) and the paths
     not given explicitly follow ``protocol``: ``final`` trains on train_full and tests on test;
@@ -41,6 +46,7 @@ class SessionDataModule(L.LightningDataModule):
         valid_path: str | None = None,
         batch_size: int = 32,
         eval_batch_size: int = 512,
+        steps_per_batch: int = 1,
         session_key: str = "SessionId",
         item_key: str = "ItemId",
         time_key: str = "Time",
@@ -63,6 +69,11 @@ class SessionDataModule(L.LightningDataModule):
         self.valid_path = valid_path
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
+        if isinstance(steps_per_batch, bool) or not isinstance(steps_per_batch, int) or steps_per_batch < 1:
+            raise UserInputError(
+                f"data.steps_per_batch must be an integer >= 1, got {steps_per_batch!r}"
+            )
+        self.steps_per_batch = steps_per_batch
         self.keys = dict(session_key=session_key, item_key=item_key, time_key=time_key)
         self._catalog: ItemCatalog | None = None
         self._splits: dict[str, SessionArrays] = {}
@@ -153,9 +164,10 @@ class SessionDataModule(L.LightningDataModule):
                 count_steps(arrays.offsets, arrays.partition(r, world), self.batch_size, min_rows)
                 for r in range(world)
             )
-        return SessionParallelSteps(
+        steps = SessionParallelSteps(
             arrays, arrays.partition(rank, world), self.batch_size, min_rows, pad_to
         )
+        return steps if self.steps_per_batch == 1 else GroupedSteps(steps, self.steps_per_batch)
 
     def _eval_loader(self, name: str):
         arrays = self.split(name)

@@ -1,13 +1,15 @@
 """Iterable datasets that turn session arrays into :class:`SessionStep` batches."""
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from recforge.data.batches import SessionStep
+from recforge.data.batches import SessionStep, SessionSteps
 from recforge.data.sessions.parallel import count_steps, session_parallel_positions
 from recforge.data.sessions.store import SessionArrays
 
@@ -61,3 +63,26 @@ class SessionParallelSteps(IterableDataset):
                 self.arrays.offsets, self.order, self.batch_size, self.min_rows
             )
         return self._n_steps
+
+
+class GroupedSteps(IterableDataset):
+    """``steps`` in order, grouped ``per_batch`` at a time into :class:`SessionSteps`.
+
+    The last group may be shorter. Under DDP every rank's ``steps`` are padded to the same count
+    first, so every rank also yields the same number of groups.
+    """
+
+    def __init__(self, steps: SessionParallelSteps, per_batch: int) -> None:
+        super().__init__()
+        if per_batch < 1:
+            raise ValueError(f"per_batch must be >= 1, got {per_batch}")
+        self.steps = steps
+        self.per_batch = per_batch
+
+    def __iter__(self) -> Iterator[SessionSteps]:
+        steps = iter(self.steps)
+        while group := list(itertools.islice(steps, self.per_batch)):
+            yield SessionSteps(group)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.steps) / self.per_batch)
