@@ -31,6 +31,18 @@ PARAMS = {
 }
 
 
+def official_setup(sample) -> list[str]:
+    """Overrides shared by both oracles: the YooChoose sample, batch 32, one GRU layer of 100."""
+    return [
+        "data=rsc15",
+        f"data.train_path={sample / 'yoochoose-clicks-100k_train_full.txt'}",
+        f"data.test_path={sample / 'yoochoose-clicks-100k_test.txt'}",
+        "data.batch_size=32",
+        "data.steps_per_batch=1",  # one Lightning batch per mini-batch: one recorded loss each
+        "model.hidden_size=100",
+    ]
+
+
 class LossRecorder(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -50,13 +62,8 @@ def reference(shared_data_dir):
 def test_one_epoch_retraces_the_official_implementation(reference, shared_data_dir, make_cfg):
     sample = shared_data_dir / "yoochoose"
     cfg = make_cfg(
-        "data=rsc15",
-        f"data.train_path={sample / 'yoochoose-clicks-100k_train_full.txt'}",
-        f"data.test_path={sample / 'yoochoose-clicks-100k_test.txt'}",
-        "data.batch_size=32",
-        "data.steps_per_batch=1",  # one Lightning batch per mini-batch: one recorded loss each
+        *official_setup(sample),
         "data.eval_batch_size=512",
-        "model.hidden_size=100",
         "loss=xe",
         "loss.logq=1.0",
         "task.n_sample=0",
@@ -177,12 +184,7 @@ def test_bprmax_epoch_with_sampled_negatives_retraces_the_official_implementatio
     if not sample.exists():
         pytest.skip(f"YooChoose sample not found at {sample}")
     cfg = make_cfg(
-        "data=rsc15",
-        f"data.train_path={sample / 'yoochoose-clicks-100k_train_full.txt'}",
-        f"data.test_path={sample / 'yoochoose-clicks-100k_test.txt'}",
-        "data.batch_size=32",
-        "data.steps_per_batch=1",  # one Lightning batch per mini-batch: one recorded loss each
-        "model.hidden_size=100",
+        *official_setup(sample),
         "loss=bprmax",
         "loss.bpreg=0.5",
         "loss.elu_param=0.5",
