@@ -68,3 +68,10 @@ def test_resumed_sampler_continues_the_same_draws_across_a_refill():
     b.load_state_dict(state)
     for want in expected:
         assert torch.equal(b.sample(), want)
+
+
+def test_the_store_is_moved_to_the_device_once_per_fill():
+    # "meta" stands in for an accelerator: the rows come out on the store's device, not the CPU
+    sampler = PopularitySampler(POPULARITY, n_sample=16, alpha=0.5, store_size=64, seed=0, device="meta")
+    rows = [sampler.sample() for _ in range(5)]  # crosses a refill after 4 rows
+    assert all(row.device.type == "meta" and row.shape == (16,) for row in rows)

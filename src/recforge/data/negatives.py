@@ -28,7 +28,8 @@ class PopularitySampler:
     ``store_size // n_sample`` mini-batches, refilled when used up, so the inverse-CDF search runs
     in large vectorised blocks. ``alpha=0`` is uniform, 1 is proportional to popularity.
     ``seed`` and ``stream`` (the DDP rank) pick the generator through
-    :func:`negatives_generator_seed`, independent of torch's global generator.
+    :func:`negatives_generator_seed`, independent of torch's global generator. The store lives on
+    ``device``.
 
     The sampler's position is part of training state (``state_dict``): a resumed run draws the
     same negatives as an uninterrupted one.
@@ -42,6 +43,7 @@ class PopularitySampler:
         store_size: int = 10_000_000,
         seed: int = 0,
         stream: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         if n_sample < 1:
             raise ValueError(f"n_sample must be >= 1 to sample, got {n_sample}")
@@ -54,6 +56,7 @@ class PopularitySampler:
         self.alpha = float(alpha)
         self.rows = max(1, int(store_size) // self.n_sample)
         self.generator = torch.Generator().manual_seed(negatives_generator_seed(seed, stream))
+        self.device = torch.device(device)
         self._store: torch.Tensor | None = None
         self._next = 0
         self._state_at_fill: torch.Tensor | None = None
@@ -61,8 +64,10 @@ class PopularitySampler:
     def _fill(self) -> None:
         self._state_at_fill = self.generator.get_state()
         u = torch.rand(self.rows * self.n_sample, generator=self.generator, dtype=torch.float64)
-        self._store = torch.searchsorted(self.cdf, u, right=True).clamp_max_(len(self.cdf) - 1)
-        self._store = self._store.view(self.rows, self.n_sample)
+        store = torch.searchsorted(self.cdf, u, right=True).clamp_max_(len(self.cdf) - 1)
+        # Drawn on the CPU (the same draws on every device), then moved once per fill: no
+        # host-to-device copy per mini-batch.
+        self._store = store.view(self.rows, self.n_sample).to(self.device)
         self._next = 0
 
     def sample(self) -> torch.Tensor:

@@ -122,6 +122,7 @@ class SessionNextItemTask(L.LightningModule):
                 self.sample_store_size,
                 seed=self.seed,
                 stream=self.global_rank,
+                device=self.device,
             )
             if self._sampler_state is not None:
                 self._sampler.load_state_dict(self._sampler_state)
@@ -177,7 +178,7 @@ class SessionNextItemTask(L.LightningModule):
         state = batch.carry_hidden(hidden, self.model.state_widths, self.model.Wy.weight.dtype)
         columns, log_q = batch.targets, self.log_popularity[batch.targets]
         if self.sampler is not None:
-            negatives = self.sampler.sample().to(self.device, non_blocking=True)
+            negatives = self.sampler.sample()
             columns = torch.cat([columns, negatives])
             # q of a sampled column is pop^alpha; of an in-batch target, its raw popularity
             log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
