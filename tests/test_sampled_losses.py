@@ -339,3 +339,11 @@ def test_single_row_with_samples_is_finite():
     want = naive_bpr_max(scores.detach(), 32, 1.0, 0.5)
     torch.testing.assert_close(BPRMax()(scores.detach(), 32), want)
     torch.testing.assert_close(TOP1Max()(scores.detach(), 32), naive_top1_max(scores.detach(), 32, 0.0))
+
+
+def test_only_a_logq_corrected_loss_asks_for_the_log_sampling_weights():
+    # the task computes log q per mini-batch only when the loss reads it
+    assert CrossEntropy(logq=1.0).uses_log_q
+    assert not CrossEntropy(logq=0.0).uses_log_q
+    assert not BPRMax().uses_log_q and not TOP1Max().uses_log_q
+    assert not TOP1().uses_log_q and not BPR().uses_log_q

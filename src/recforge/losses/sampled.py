@@ -22,6 +22,11 @@ class SampledLoss(nn.Module):
 
     consumes = NEXT_ITEM_COLUMNS
 
+    @property
+    def uses_log_q(self) -> bool:
+        """Whether the loss reads the columns' log sampling weights (the task skips them if not)."""
+        return False
+
     def min_batch_rows(self, n_extra_negatives: int) -> int:
         # Without extra samples the other rows' targets are the only negatives.
         return 1 if n_extra_negatives > 0 else 2
@@ -42,6 +47,10 @@ class CrossEntropy(SampledLoss):
         super().__init__()
         self.logq = float(logq)
         self.kernel = kernel
+
+    @property
+    def uses_log_q(self) -> bool:
+        return self.logq > 0.0
 
     def forward(
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None

@@ -176,12 +176,14 @@ class SessionNextItemTask(L.LightningModule):
 
     def _train_loss(self, batch: SessionStep, hidden: list[torch.Tensor] | None) -> torch.Tensor:
         state = batch.carry_hidden(hidden, self.model.state_widths, self.model.Wy.weight.dtype)
-        columns, log_q = batch.targets, self.log_popularity[batch.targets]
-        if self.sampler is not None:
-            negatives = self.sampler.sample()
-            columns = torch.cat([columns, negatives])
-            # q of a sampled column is pop^alpha; of an in-batch target, its raw popularity
-            log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
+        negatives = self.sampler.sample() if self.sampler is not None else None
+        columns = batch.targets if negatives is None else torch.cat([batch.targets, negatives])
+        log_q = None
+        if self.loss.uses_log_q:
+            # q of an in-batch target is its raw popularity; of a sampled column, pop^alpha
+            log_q = self.log_popularity[batch.targets]
+            if negatives is not None:
+                log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
         scores, new_state = self.model.train_step(batch.inputs, state, columns)
         self._train_hidden = [h.detach() for h in new_state]
         return self.loss(scores, self.batch_size, log_q=log_q)
