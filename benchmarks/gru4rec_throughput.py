@@ -98,6 +98,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra negative samples per mini-batch (task.n_sample); default: the config's value",
     )
     p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: hardware=gpu for the Lightning level, the bare level moved to the GPU, and the "
+        "windows timed after a device synchronise",
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Hydra override for every run, repeatable (e.g. loss.kernel=triton)",
+    )
+    p.add_argument(
         "--steps-per-batch",
         type=int,
         default=None,
@@ -213,7 +227,7 @@ def describe(train_path: str, test_path: str, batch_sizes: list[int]) -> dict:
 # ----------------------------------------------------------------------------------- config
 def compose_config(
     train_path: str, test_path: str, config: str, batch_size: int, workdir: Path, n_sample=None,
-    steps_per_batch=None,
+    steps_per_batch=None, extra: tuple[str, ...] = (),
 ):
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
@@ -231,6 +245,7 @@ def compose_config(
         overrides.append(f"task.n_sample={n_sample}")
     if steps_per_batch is not None:
         overrides.append(f"data.steps_per_batch={steps_per_batch}")
+    overrides.extend(extra)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
@@ -253,8 +268,18 @@ def build(cfg):
     return pipeline_build(cfg)
 
 
+def _synchronize() -> None:
+    """Wait for queued GPU work, so a clock read after it covers it (no-op on CPU)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 # ----------------------------------------------------------------------------------- lightning
-def _window_timer(lead: int):
+def _window_timer(lead: int, last: int | None = None):
+    """``last``: the final batch index, after which the clock waits for the GPU (None: every
+    batch, for evaluation windows whose length is not known in advance)."""
     import lightning as L
 
     class WindowTimer(L.Callback):
@@ -268,6 +293,7 @@ def _window_timer(lead: int):
 
         def _start(self, batch_idx: int) -> None:
             if batch_idx == lead:
+                _synchronize()
                 self.t0 = time.perf_counter()
 
         def _end(self, batch, batch_idx: int) -> None:
@@ -275,6 +301,8 @@ def _window_timer(lead: int):
                 self.events += int(batch.size)
                 # mini-batches: a grouped Lightning batch (data.steps_per_batch) holds several
                 self.batches += int(getattr(batch, "n_steps", 1))
+                if last is None or batch_idx == last:
+                    _synchronize()
                 self.t1 = time.perf_counter()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -319,7 +347,7 @@ def lightning_train(cfg, task, dm, lead: int, steps: int) -> tuple[int, int, flo
     # lead and steps count mini-batches; the Trainer counts (possibly grouped) Lightning batches
     per_batch = int(getattr(dm, "steps_per_batch", 1))
     lead, steps = -(-lead // per_batch), -(-steps // per_batch)
-    timer = _window_timer(lead)
+    timer = _window_timer(lead, last=lead + steps - 1)
     trainer = _trainer(cfg, [timer], limit_train_batches=lead + steps)
     trainer.fit(task, datamodule=dm)
     return timer.result()
@@ -343,7 +371,9 @@ def bare_train(task, dm, optimizer, lead: int, steps: int) -> tuple[int, int, fl
     groups = dm.train_dataloader()
     steps_in_order = (s for g in groups for s in getattr(g, "steps", (g,)))
     for i, batch in enumerate(steps_in_order):
+        batch = batch.to(task.device, non_blocking=True)
         if i == lead:
+            _synchronize()
             t0 = time.perf_counter()
         # the task optimises manually inside training_step; without a Trainer, do it here
         loss = task._train_loss(batch, task._train_hidden)
@@ -353,9 +383,10 @@ def bare_train(task, dm, optimizer, lead: int, steps: int) -> tuple[int, int, fl
         if i >= lead:
             events += batch.size
             batches += 1
-            t1 = time.perf_counter()
         if i + 1 >= lead + steps:
             break
+    _synchronize()
+    t1 = time.perf_counter() if t0 is not None else None
     if t0 is None or t1 is None:
         return 0, 0, 0.0
     return events, batches, t1 - t0
@@ -372,10 +403,11 @@ def bare_eval(task, dm, max_batches: int) -> tuple[int, int, float]:
         for i, batch in enumerate(dm.test_dataloader()):
             if max_batches and i >= max_batches:
                 break
-            task.test_step(batch, i)
+            task.test_step(batch.to(task.device, non_blocking=True), i)
             events += batch.size
             batches += 1
         task.test_metrics.compute()  # what on_test_epoch_end does, minus the logging
+    _synchronize()
     seconds = time.perf_counter() - t0
     task.test_metrics.reset()
     task.train()
@@ -427,14 +459,18 @@ def load_average() -> str:
 
 def run_one(args, train_path, test_path, config, batch_size, workdir, log) -> dict:
     """All windows for one dataset x config x batch size, both levels interleaved window by window."""
+    extra = (*(["hardware=gpu"] if args.device == "cuda" else []), *args.override)
     cfg = compose_config(
-        train_path, test_path, config, batch_size, workdir, args.n_sample, args.steps_per_batch
+        train_path, test_path, config, batch_size, workdir, args.n_sample, args.steps_per_batch,
+        extra,
     )
     built = {}
     for level in args.levels:
         dm, task = build(cfg)
         dm.setup("fit")
         dm.setup("test")
+        if level == "bare":
+            task.to(args.device)  # the Lightning level is moved by its Trainer
         optimizer = task.configure_optimizers() if level == "bare" else None
         built[level] = (dm, task, optimizer)
 
@@ -625,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "threads": args.threads,
+        "device": args.device,
+        "overrides": args.override,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "cpu": cpu_model(),
         "load_average": {"start": load_start, "end": load_end},

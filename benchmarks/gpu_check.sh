@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 3 in one prepared run (about 10 minutes on one GPU), for a session that
+# is lent a device: the Triton kernels compiled for real and compared with their PyTorch twins,
+# the score-and-rank kernel against the PyTorch path, and GRU4Rec training mini-batches/s at
+# B=32..256 with the PyTorch loss and with the fused Triton loss.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]        # from the repo root; OUT_DIR default: $OUT or outputs/gpu_check
+#
+# The device image has torch, triton and lightning but not hydra-core/omegaconf: put their wheels
+# in wheels/ (pip download hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
+# --no-deps -d wheels), carry wheels/ with the call, and they are installed offline here first.
+set -uo pipefail
+out=${1:-${OUT:-outputs/gpu_check}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline
+if compgen -G "wheels/*" > /dev/null; then
+  # antlr4-python3-runtime 4.9.3 is an sdist only: built here without fetching build tools
+  "$py" -m pip install -q --no-index --no-deps --no-build-isolation wheels/* 2>&1 | tail -1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+"$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+
+# 1. kernels on the GPU against their twins (forward and backward)
+timeout 240 "$py" -m pytest -q -m triton tests/test_target_rank_triton.py tests/test_sampled_loss_kernel.py \
+  2>&1 | tail -15 | tee "$out/triton_tests.txt"
+# 2. score-and-rank: 37k items (the spec's synthetic catalogue) and 1M items in bf16
+timeout 120 "$py" benchmarks/target_rank_bench.py 2>&1 | tee "$out/target_rank.txt"
+timeout 120 "$py" benchmarks/target_rank_bench.py -B 1024 -N 1000000 -d 64 --dtype bfloat16 \
+  2>&1 | tee -a "$out/target_rank.txt"
+# 3. training mini-batches/s, B=32..256, PyTorch loss vs fused Triton loss (Triton ranking in eval)
+for kernel in pytorch triton; do
+  timeout 420 "$py" benchmarks/gru4rec_throughput.py --device cuda --threads 4 --datasets synthetic \
+    --batch-sizes 32,64,128,256 --windows 3 --steps 200 --warmup 30 --eval-batches 20 \
+    --override loss.kernel=$kernel --override evaluation.kernel=$kernel \
+    2>&1 | grep -v '^{' | tail -14 | tee "$out/throughput_$kernel.txt"
+done
