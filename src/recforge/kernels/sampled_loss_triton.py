@@ -136,13 +136,24 @@ def interpreted() -> bool:
     return not isinstance(_xe_forward_kernel, triton.runtime.JITFunction)
 
 
-def _block_c(n_cols: int, on_gpu: bool) -> int:
+def _block_c(scores: Tensor, block_c: int | None) -> int:
+    """Columns per tile: ``block_c`` if given, else the default for where ``scores`` lives."""
+    if block_c:
+        return block_c
     # The interpreter pays per op, not per element, but small tiles there exercise the column loop
     # and the ragged last tile in tests. On the GPU one tile of up to 2048 fp32 per row keeps the
     # typical C (batch + a few thousand samples) to one or two iterations per pass.
-    if not on_gpu:
+    if scores.device.type != "cuda" or interpreted():
         return 16
-    return min(2048, max(16, triton.next_power_of_2(n_cols)))
+    return min(2048, max(16, triton.next_power_of_2(scores.shape[1])))
+
+
+def _backward_buffers(scores: Tensor, scale: Tensor, block_c: int | None):
+    """What both backward launches start from: the gradient buffer, the tile width and ``scale``
+    as a 1-element float32 tensor on the scores' device."""
+    grad = torch.empty(scores.shape, dtype=scores.dtype, device=scores.device)
+    scale = scale.to(device=scores.device, dtype=torch.float32).reshape(1).contiguous()
+    return grad, _block_c(scores, block_c), scale
 
 
 def softmax_xe_forward(
@@ -155,7 +166,7 @@ def softmax_xe_forward(
     """
     n_rows, n_cols = scores.shape
     device = scores.device
-    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
+    block = _block_c(scores, block_c)
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     row_max = torch.empty_like(loss)
     row_sum = torch.empty_like(loss)
@@ -183,14 +194,11 @@ def softmax_xe_backward(
 ) -> Tensor:
     """``dL/dscores`` for ``L = sum_i -log(p_ii + 1e-24) * scale`` (``scale``: 1-element tensor)."""
     n_rows, n_cols = scores.shape
-    device = scores.device
-    grad = torch.empty((n_rows, n_cols), dtype=scores.dtype, device=device)
+    grad, block, scale = _backward_buffers(scores, scale, block_c)
     if n_rows == 0:
         return grad
-    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
     has_logq = log_q is not None
     lq = log_q.contiguous() if has_logq else scores
-    scale = scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
     _xe_backward_kernel[(n_rows,)](
         scores, lq, row_max, row_sum, scale, grad,
         n_cols, scores.stride(0), scores.stride(1), grad.stride(0), float(logq),
@@ -332,7 +340,7 @@ def bprmax_forward(
     """Per-row BPR-max losses ``[B']`` and the ``[5, B']`` float32 statistics backward needs."""
     n_rows, n_cols = scores.shape
     device = scores.device
-    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
+    block = _block_c(scores, block_c)
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     stats = torch.empty((N_BPR_STATS, n_rows), dtype=torch.float32, device=device)
     if n_rows == 0:
@@ -355,12 +363,9 @@ def bprmax_backward(
 ) -> Tensor:
     """``dL/dscores`` for the BPR-max row losses times ``scale`` (a 1-element tensor)."""
     n_rows, n_cols = scores.shape
-    device = scores.device
-    grad = torch.empty((n_rows, n_cols), dtype=scores.dtype, device=device)
+    grad, block, scale = _backward_buffers(scores, scale, block_c)
     if n_rows == 0:
         return grad
-    block = block_c or _block_c(n_cols, device.type == "cuda" and not interpreted())
-    scale = scale.to(device=device, dtype=torch.float32).reshape(1).contiguous()
     _bprmax_backward_kernel[(n_rows,)](
         scores, stats, scale, grad,
         n_rows, n_cols, scores.stride(0), scores.stride(1), grad.stride(0),
