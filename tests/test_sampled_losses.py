@@ -110,6 +110,14 @@ def grad_of(fn, scores):
     return loss.detach(), g
 
 
+def assert_matches_oracle(loss, oracle, scores):
+    """The loss and its naive per-row oracle agree on the value and on the gradient."""
+    got, g_got = grad_of(loss, scores)
+    want, g_want = grad_of(oracle, scores)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+
+
 SHAPES = [
     # (rows, columns, configured batch size)
     (5, 5, 5),  # square: only the mini-batch's own targets
@@ -126,10 +134,11 @@ def test_cross_entropy_matches_naive_loop_values_and_gradients(n_rows, n_cols, b
     scores = random_scores(n_rows, n_cols, seed=n_rows * 31 + n_cols)
     log_q = random_log_q(n_cols, seed=n_cols)
     loss_fn = CrossEntropy(logq=logq)
-    got, g_got = grad_of(lambda x: loss_fn(x, batch_size, log_q=log_q), scores)
-    want, g_want = grad_of(lambda x: naive_cross_entropy(x, batch_size, logq, log_q), scores)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+    assert_matches_oracle(
+        lambda x: loss_fn(x, batch_size, log_q=log_q),
+        lambda x: naive_cross_entropy(x, batch_size, logq, log_q),
+        scores,
+    )
 
 
 def test_cross_entropy_logq_changes_the_loss_and_needs_log_q():
@@ -178,10 +187,11 @@ def test_cross_entropy_accidental_hits_stay_in_the_denominator():
 def test_bpr_max_matches_naive_loop_values_and_gradients(n_rows, n_cols, batch_size, elu_param, bpreg):
     scores = random_scores(n_rows, n_cols, seed=7 * n_rows + n_cols)
     loss_fn = BPRMax(bpreg=bpreg, elu_param=elu_param)
-    got, g_got = grad_of(lambda x: loss_fn(x, batch_size), scores)
-    want, g_want = grad_of(lambda x: naive_bpr_max(x, batch_size, bpreg, elu_param), scores)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+    assert_matches_oracle(
+        lambda x: loss_fn(x, batch_size),
+        lambda x: naive_bpr_max(x, batch_size, bpreg, elu_param),
+        scores,
+    )
 
 
 @pytest.mark.parametrize("bpreg", [0.0, 1.0])
@@ -230,10 +240,11 @@ def test_bpr_max_softmax_is_over_negatives_only():
 def test_top1_max_matches_naive_loop_values_and_gradients(n_rows, n_cols, batch_size, elu_param):
     scores = random_scores(n_rows, n_cols, seed=13 * n_rows + n_cols)
     loss_fn = TOP1Max(elu_param=elu_param)
-    got, g_got = grad_of(lambda x: loss_fn(x, batch_size), scores)
-    want, g_want = grad_of(lambda x: naive_top1_max(x, batch_size, elu_param), scores)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+    assert_matches_oracle(
+        lambda x: loss_fn(x, batch_size),
+        lambda x: naive_top1_max(x, batch_size, elu_param),
+        scores,
+    )
 
 
 def test_top1_max_defaults_to_linear_and_weights_are_not_detached():
@@ -260,10 +271,11 @@ def test_top1_max_hand_computed():
 @pytest.mark.parametrize("n_rows,n_cols,batch_size", SHAPES)
 def test_top1_matches_naive_loop_values_and_gradients(n_rows, n_cols, batch_size):
     scores = random_scores(n_rows, n_cols, seed=19 * n_rows + n_cols)
-    got, g_got = grad_of(lambda x: TOP1()(x, batch_size), scores)
-    want, g_want = grad_of(lambda x: naive_top1(x, batch_size), scores)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+    assert_matches_oracle(
+        lambda x: TOP1()(x, batch_size),
+        lambda x: naive_top1(x, batch_size),
+        scores,
+    )
 
 
 def test_top1_hand_computed():
@@ -279,10 +291,11 @@ def test_top1_hand_computed():
 @pytest.mark.parametrize("n_rows,n_cols,batch_size", SHAPES)
 def test_bpr_matches_naive_loop_values_and_gradients(n_rows, n_cols, batch_size):
     scores = random_scores(n_rows, n_cols, seed=23 * n_rows + n_cols)
-    got, g_got = grad_of(lambda x: BPR()(x, batch_size), scores)
-    want, g_want = grad_of(lambda x: naive_bpr(x, batch_size), scores)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+    assert_matches_oracle(
+        lambda x: BPR()(x, batch_size),
+        lambda x: naive_bpr(x, batch_size),
+        scores,
+    )
 
 
 def test_bpr_is_a_sum_over_columns_including_the_target():
