@@ -154,6 +154,19 @@ CASES = [
 ]
 
 
+def test_sessions_starting_together_keep_their_order():
+    # Many sessions share a start time: numpy's default argsort may order them differently from
+    # one CPU to the next; the training order must not.
+    rng = np.random.default_rng(3)
+    n_sessions = 500
+    lengths = random_lengths(rng, n_sessions)
+    offsets = make_offsets(lengths)
+    first_times = rng.integers(0, 4, n_sessions).astype(np.float64)
+    times = np.repeat(first_times, lengths) + np.concatenate([np.arange(k) for k in lengths])
+    want = sorted(range(n_sessions), key=lambda s: (first_times[s], s))
+    np.testing.assert_array_equal(session_order_by_start(offsets, times), want)
+
+
 # ----------------------------------------------------------------------------- the iterator
 @pytest.mark.parametrize("n_sessions,batch_size,seed", CASES)
 @pytest.mark.parametrize("order_kind", ["by_start", "random"])

@@ -27,13 +27,14 @@ class StepPositions:
 
 
 def session_order_by_start(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """Sessions in ascending order of their first event's time (the reference's training order).
+    """Sessions in ascending order of their first event's time; ties keep the sessions' order.
 
-    numpy's default (non-stable) argsort is kept on purpose: it is what the reference code uses, and
-    sessions that start at the same instant must be ordered as it orders them for its trajectory to
-    be retraced exactly.
+    The reference sorts with numpy's default argsort, whose order among equal keys depends on
+    the CPU (numpy dispatches to different SIMD sorts on AVX2 and AVX-512 machines). A stable sort
+    gives one order everywhere: sessions that start at the same instant follow session id, which
+    is also what the reference's AVX-512 sort gave on its recorded trajectories.
     """
-    return np.argsort(times[offsets[:-1]])
+    return np.argsort(times[offsets[:-1]], kind="stable")
 
 
 def session_parallel_positions(
