@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 3 in one prepared run (about 10 minutes on one GPU), for a session that
+# The GPU checks of issue 3 in one prepared run (10-15 minutes on one GPU), for a session that
 # is lent a device: the Triton kernels compiled for real and compared with their PyTorch twins,
-# the score-and-rank kernel against the PyTorch path, and GRU4Rec training mini-batches/s at
-# B=32..256 with the PyTorch loss and with the fused Triton loss.
+# the score-and-rank kernel against the PyTorch path, the row-wise optimizer step against its
+# twin, and GRU4Rec training mini-batches/s at B=32..256 with PyTorch ops and with every kernel.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        # from the repo root; OUT_DIR default: $OUT or outputs/gpu_check
+#   STEPS="1 3" bash benchmarks/gpu_check.sh      # only some of the numbered steps (to fit one call's limit)
 #
 # The device image has torch, triton and lightning but not hydra-core/omegaconf: put their wheels
 # in wheels/ (pip download hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3
@@ -13,6 +14,8 @@ set -uo pipefail
 out=${1:-${OUT:-outputs/gpu_check}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+steps=" ${STEPS:-1 2 3 4} "
+run_step() { [[ $steps == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline
 if compgen -G "wheels/*" > /dev/null; then
   # antlr4-python3-runtime 4.9.3 is an sdist only: built here without fetching build tools
@@ -22,16 +25,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 
 # 1. kernels on the GPU against their twins (forward and backward)
-timeout 240 "$py" -m pytest -q -m triton tests/test_target_rank_triton.py tests/test_sampled_loss_kernel.py \
+run_step 1 && timeout 240 "$py" -m pytest -q -m triton tests/test_target_rank_triton.py tests/test_sampled_loss_kernel.py \
+  tests/test_rowwise_adagrad_triton.py \
   2>&1 | tail -15 | tee "$out/triton_tests.txt"
 # 2. score-and-rank: 37k items (the spec's synthetic catalogue) and 1M items in bf16
-timeout 120 "$py" benchmarks/target_rank_bench.py 2>&1 | tee "$out/target_rank.txt"
-timeout 120 "$py" benchmarks/target_rank_bench.py -B 1024 -N 1000000 -d 64 --dtype bfloat16 \
+run_step 2 && timeout 120 "$py" benchmarks/target_rank_bench.py 2>&1 | tee "$out/target_rank.txt"
+run_step 2 && timeout 120 "$py" benchmarks/target_rank_bench.py -B 1024 -N 1000000 -d 64 --dtype bfloat16 \
   2>&1 | tee -a "$out/target_rank.txt"
-# 3. training mini-batches/s, B=32..256, PyTorch loss vs fused Triton loss (Triton ranking in eval)
-for kernel in pytorch triton; do
-  timeout 420 "$py" benchmarks/gru4rec_throughput.py --device cuda --threads 4 --datasets synthetic \
-    --batch-sizes 32,64,128,256 --windows 3 --steps 200 --warmup 30 --eval-batches 20 \
-    --override loss.kernel=$kernel --override evaluation.kernel=$kernel \
+# 3. one row-wise optimizer step (B=32 and 256, 2048 samples, 37k items)
+run_step 3 && for b in 32 256; do
+  timeout 60 "$py" benchmarks/rowwise_adagrad_bench.py --batch $b 2>&1 | tee -a "$out/rowwise_adagrad.txt"
+done
+# 4. training mini-batches/s, B=32..256: PyTorch ops vs every Triton kernel (loss, optimizer, ranking)
+run_step 4 && for kernel in pytorch triton; do
+  timeout 280 "$py" benchmarks/gru4rec_throughput.py --device cuda --threads 4 --datasets synthetic \
+    --batch-sizes 32,64,128,256 --windows 3 --steps 150 --warmup 30 --eval-batches 20 \
+    --override loss.kernel=$kernel --override evaluation.kernel=$kernel --override optimizer.kernel=$kernel \
     2>&1 | grep -v '^{' | tail -14 | tee "$out/throughput_$kernel.txt"
 done

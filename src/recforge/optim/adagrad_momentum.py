@@ -10,9 +10,26 @@ from __future__ import annotations
 
 import torch
 
+from recforge.kernels.rowwise_adagrad import IMPLS, sparse_adagrad_momentum_
+
 
 class IndexedAdagradM(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 0.05, momentum: float = 0.0, eps: float = 1e-6) -> None:
+    """Adagrad with heavy-ball momentum; lazy and row-wise for sparse gradients.
+
+    Args:
+        params: parameters or parameter groups; those whose gradient is sparse get the lazy
+            row-wise step.
+        lr, momentum, eps: step size, heavy-ball momentum μ in [0, 1) and Adagrad's ε.
+        kernel: ``pytorch`` or ``triton``, the implementation of the row-wise step
+            (:mod:`recforge.kernels.rowwise_adagrad`); dense parameters always take PyTorch ops.
+    """
+
+    def __init__(
+        self, params, lr: float = 0.05, momentum: float = 0.0, eps: float = 1e-6, kernel: str = "pytorch"
+    ) -> None:
+        if kernel not in IMPLS:
+            raise ValueError(f"kernel must be one of {IMPLS}, got {kernel!r}")
+        self.kernel = kernel
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         if not 0.0 <= momentum < 1.0:
@@ -40,15 +57,16 @@ class IndexedAdagradM(torch.optim.Optimizer):
                     continue
                 state = self._state(p, mu)
                 if p.grad.is_sparse:
-                    self._sparse_step(p, p.grad.coalesce(), state, lr, mu, eps)
+                    sparse_adagrad_momentum_(
+                        p, state["sum"], state.get("velocity"), p.grad,
+                        lr=lr, momentum=mu, eps=eps, impl=self.kernel,
+                    )
                 else:
                     self._dense_step(p, p.grad, state, lr, mu, eps)
         return loss
 
-    # The arithmetic below follows the reference's order of float operations (divide by
-    # -sqrt(G+ε)/lr rather than multiply by lr/sqrt(G+ε), ...): training is chaotic enough that
-    # one-ulp differences grow into visibly different trajectories within a few dozen steps, and
-    # the exact-trajectory test needs the same rounding.
+    # The arithmetic follows the reference's order of float operations, as the row-wise step
+    # does (see recforge.kernels.rowwise_adagrad): the exact-trajectory tests need the same rounding.
     @staticmethod
     def _dense_step(p, grad, state, lr, mu, eps) -> None:
         acc = state["sum"]
@@ -60,20 +78,3 @@ class IndexedAdagradM(torch.optim.Optimizer):
             p.add_(velocity)
         else:
             p.addcdiv_(grad, denom, value=-lr)
-
-    # The rows of a coalesced gradient are unique, so adding into them in place rounds exactly like
-    # "gather, add, copy back"; index_add_ and index_select are several times cheaper on CPU than
-    # advanced indexing and index_copy_, which only the velocity (scaled, then added) still needs.
-    @staticmethod
-    def _sparse_step(p, grad, state, lr, mu, eps) -> None:
-        rows = grad._indices()[0]
-        values = grad._values()
-        state["sum"].index_add_(0, rows, values.pow(2))
-        neg_scaled_denom = state["sum"].index_select(0, rows).add_(eps).sqrt_().mul_(-1.0 / lr)
-        if mu > 0:
-            velocity = state["velocity"].index_select(0, rows)
-            velocity.mul_(mu).add_(values / neg_scaled_denom)
-            state["velocity"].index_copy_(0, rows, velocity)
-            p.index_add_(0, rows, velocity)
-        else:
-            p.index_add_(0, rows, values / neg_scaled_denom)
