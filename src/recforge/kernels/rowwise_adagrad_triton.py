@@ -76,6 +76,11 @@ def _sparse_adagrad_momentum_kernel(
             tl.store(p_ptr + row_off + cols, theta, mask=col_mask)
 
 
+def _num_warps(block_d: int, on_gpu: bool) -> int:
+    # one warp covers a 128-wide row in four-element vectors; wider rows get more warps
+    return max(1, min(8, block_d // 128)) if on_gpu else 1
+
+
 def interpreted() -> bool:
     """Whether the kernel was defined under ``TRITON_INTERPRET=1`` (so CPU tensors work)."""
     return not isinstance(_sparse_adagrad_momentum_kernel, triton.runtime.JITFunction)
@@ -112,12 +117,10 @@ def sparse_adagrad_momentum_triton_(
     on_gpu = param.device.type == "cuda" and not interpreted()
     if block_d is None:
         block_d = min(1024, triton.next_power_of_2(width))
-    # one warp covers a 128-wide row in four-element vectors; wider rows get more warps
-    num_warps = max(1, min(8, block_d // 128)) if on_gpu else 1
     _sparse_adagrad_momentum_kernel[(n_values,)](
         param, grad_sum, velocity if velocity is not None else param,
         sorted_rows, order, values,
         n_values, width, -1.0 / lr, momentum, eps,
         HAS_MOMENTUM=velocity is not None, BLOCK_D=block_d,
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=_num_warps(block_d, on_gpu), enable_fp_fusion=False,
     )  # fmt: skip

@@ -142,15 +142,22 @@ def interpreted() -> bool:
     return not isinstance(_target_rank_kernel, triton.runtime.JITFunction)
 
 
-def _block_sizes(n_rows: int, dim: int, on_gpu: bool) -> tuple[int, int, int]:
+def _block_sizes(n_rows: int, dim: int, on_gpu: bool, upcast: bool = False) -> tuple[int, int, int]:
     # tl.dot needs every tile side >= 16. On the GPU, 64 x 128 fp32 accumulators are 64 registers
     # per thread at 4 warps; the interpreter pays per op, so small tiles keep its numpy calls cheap
     # and exercise the d-loop and partial tiles in tests.
     if not on_gpu:
         return 16, 32, 16
     block_b = 64 if n_rows > 32 else max(16, triton.next_power_of_2(max(n_rows, 1)))
-    block_d = min(64, max(16, triton.next_power_of_2(dim)))
+    # An fp32 dot in "ieee" precision is unrolled into FMAs: with 64-wide d-steps ptxas spills
+    # 1.6 KB per thread (sm_90, 4 warps); 16-wide steps at 8 warps fit in registers (see
+    # tests/gpu_aot_compile.py). Half types go to tensor cores and fit at 64.
+    block_d = 16 if upcast else min(64, max(16, triton.next_power_of_2(dim)))
     return block_b, 128, block_d
+
+
+def _num_warps(on_gpu: bool, upcast: bool) -> int:
+    return 8 if on_gpu and upcast else 4
 
 
 def target_rank_counts_triton(
@@ -178,7 +185,15 @@ def target_rank_counts_triton(
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, empty.clone()
     on_gpu = device.type == "cuda" and not interpreted()
-    block_b, block_n, block_d = block_sizes or _block_sizes(n_rows, dim, on_gpu)
+    # Mixed or fp32 inputs are read as fp32; matching half types go to tl.dot as they are (exact
+    # products, fp32 accumulation), except bf16 under the interpreter, whose dot multiplies bf16's
+    # raw uint16 storage (Triton 3.x): upcasting gives the same products.
+    upcast = (
+        queries.dtype != item_weights.dtype
+        or queries.dtype == torch.float32
+        or (queries.dtype == torch.bfloat16 and not on_gpu)
+    )
+    block_b, block_n, block_d = block_sizes or _block_sizes(n_rows, dim, on_gpu, upcast)
     if block_n < block_b or min(block_b, block_n, block_d) < 16:
         raise ValueError(f"need 16 <= BLOCK_B <= BLOCK_N and BLOCK_D >= 16, got {block_sizes}")
 
@@ -196,14 +211,6 @@ def target_rank_counts_triton(
     tiles_per_split = triton.cdiv(n_tiles, n_splits)
     n_splits = triton.cdiv(n_tiles, tiles_per_split)  # no program left with nothing to do
 
-    # Mixed or fp32 inputs are read as fp32; matching half types go to tl.dot as they are (exact
-    # products, fp32 accumulation), except bf16 under the interpreter, whose dot multiplies bf16's
-    # raw uint16 storage (Triton 3.x): upcasting gives the same products.
-    upcast = (
-        queries.dtype != item_weights.dtype
-        or queries.dtype == torch.float32
-        or (queries.dtype == torch.bfloat16 and not on_gpu)
-    )
     targets = targets.to(device=device, dtype=torch.int64).contiguous()
     greater = torch.empty((n_splits, n_rows), dtype=torch.int32, device=device)
     equal = torch.empty((n_splits, n_rows), dtype=torch.int32, device=device)
@@ -214,7 +221,7 @@ def target_rank_counts_triton(
         n_rows, n_items, dim, tiles_per_split,
         queries.stride(0), queries.stride(1), item_weights.stride(0), item_weights.stride(1),
         HAS_BIAS=item_bias is not None, UPCAST=upcast,
-        BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_num_warps(on_gpu, upcast),
     )  # fmt: skip
     n_greater = greater.sum(dim=0, dtype=torch.int64)
     n_equal = equal.sum(dim=0, dtype=torch.int64) + 1
