@@ -245,7 +245,9 @@ def _bprmax_forward_kernel(
     row_off = row.to(tl.int64) * stride_r
     offs = tl.arange(0, BLOCK_C)
     diag = row + tl.arange(0, 1)
-    _, r_diag = _activated(s_ptr, row_off, diag, diag < C, stride_c, ELU, HAS_ELU)
+    # its own name for the unused raw score: compiled Triton would treat a shared `_` as carried
+    # through the loops below, where its shape changes ([1] here, [BLOCK_C] there)
+    _x_diag, r_diag = _activated(s_ptr, row_off, diag, diag < C, stride_c, ELU, HAS_ELU)
     target = tl.sum(r_diag, 0)
 
     # The reference masks the target to 0 (not -inf) before the max, so a 0 takes part in it;
@@ -314,7 +316,7 @@ def _bprmax_backward_kernel(
     scale = tl.load(scale_ptr)
     inv_p = 1.0 / (p + 1e-24)
     diag = row + tl.arange(0, 1)
-    _, r_diag = _activated(s_ptr, row_off, diag, diag < C, stride_c, ELU, HAS_ELU)
+    _x_diag, r_diag = _activated(s_ptr, row_off, diag, diag < C, stride_c, ELU, HAS_ELU)
     target = tl.sum(r_diag, 0)
 
     for c0 in range(0, C, BLOCK_C):
