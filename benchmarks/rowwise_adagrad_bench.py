@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
+from timing import device_name, time_calls
 
 
 def main() -> None:
@@ -58,13 +58,8 @@ def main() -> None:
     sum0 = (torch.rand(args.items, args.dim, generator=gen) * 3).to(device)
     velocity0 = (torch.randn(args.items, args.dim, generator=gen) * 0.1).to(device)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"device={name} torch={torch.__version__} items={args.items} dim={args.dim} "
+        f"device={device_name(device)} torch={torch.__version__} items={args.items} dim={args.dim} "
         f"rows={n_rows} (distinct {rows.unique().numel()}) momentum={args.momentum} "
         f"threads={args.threads} TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
     )
@@ -79,15 +74,7 @@ def main() -> None:
                 lr=0.1, momentum=args.momentum, impl=impl,
             )
 
-        for _ in range(args.warmup):
-            step(*state)
-        sync()
-        seconds = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            step(*state)
-            sync()
-            seconds.append(time.perf_counter() - start)
+        seconds, _ = time_calls(lambda: step(*state), device, args.warmup, args.repeats)
         once = [t.clone() for t in (table0, sum0, velocity0)]
         step(*once)
         if baseline is None:

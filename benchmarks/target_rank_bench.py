@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
+from timing import device_name, time_calls
 
 
 def main() -> None:
@@ -69,28 +69,15 @@ def main() -> None:
             return target_rank_counts_triton(q, w, b, t, n_splits=args.splits, block_sizes=blocks)
         return target_rank_counts(q, w, b, t, chunk_size=args.chunk_size, impl=impl)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"device={name} torch={torch.__version__} B={args.batch} N={args.items} d={args.dim} "
+        f"device={device_name(device)} torch={torch.__version__} B={args.batch} N={args.items} d={args.dim} "
         f"dtype={args.dtype} bias={b is not None} chunk_size={args.chunk_size} "
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
     )
     print(f"{'impl':<8} {'min ev/s':>12} {'median ev/s':>12} {'median ms':>10} {'rows != pytorch':>16}")
     baseline = None
     for impl in args.impls.split(","):
-        for _ in range(args.warmup):
-            out = run(impl)
-        sync()
-        seconds = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            out = run(impl)
-            sync()
-            seconds.append(time.perf_counter() - start)
+        seconds, out = time_calls(lambda: run(impl), device, args.warmup, args.repeats)
         if baseline is None:
             baseline = out
         differ = int(((out[0] != baseline[0]) | (out[1] != baseline[1])).sum())
