@@ -84,9 +84,10 @@ def test_ctr_loss_on_next_item_model_names_the_allowed_losses(make_cfg):
         check_combination(cfg, CONF_DIR, {"model": "gru4rec", "loss": "bce"})
 
 
-def test_invalid_combination_fails_at_start_in_one_line():
+def test_invalid_combination_fails_at_start_in_one_line(tmp_path):
     done = subprocess.run(
-        [sys.executable, "src/train.py", "loss=bce"],
+        # the run directory Hydra opens before recforge refuses the config: not the repo's outputs/
+        [sys.executable, "src/train.py", "loss=bce", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode != 0

@@ -123,6 +123,18 @@ def test_catalogue_splits_and_block_sizes() -> None:
         trt.target_rank_counts_triton(q, w, b, t, block_sizes=(32, 16, 16))
 
 
+@pytest.mark.parametrize("upcast", [True, False], ids=["fp32-tiles", "half-tiles"])
+@pytest.mark.parametrize("n_rows", [70, 20])
+def test_gpu_tile_shapes(n_rows, upcast) -> None:
+    # The tiles a GPU launch picks (interpreted here on CPU): several row blocks or one partial
+    # one, a d-loop of 16-wide steps with a partial last step (d=100), partial item tiles.
+    blocks = trt._block_sizes(n_rows, 100, on_gpu=True, upcast=upcast)
+    q, w, b, t = _problem("int", n_rows, 300, 100, True, seed=n_rows)
+    q, w, b, t = q.to(DEVICE), w.to(DEVICE), b.to(DEVICE), t.to(DEVICE)
+    want = target_rank_counts_reference(q @ w.T + b, t)
+    _assert_same(trt.target_rank_counts_triton(q, w, b, t, n_splits=2, block_sizes=blocks), want)
+
+
 @pytest.mark.skipif(
     DEVICE == "cpu",
     reason="the interpreter's dot is numpy's BLAS matmul, whose rounding depends on the column",
