@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,14 @@ def test_wandb_offline_writes_a_run(make_cfg, monkeypatch):
     assert wandb.run is None, "the W&B run was left open"
 
 
+def _rank_failures(stderr: str) -> str:
+    """Both ranks write to one stderr: every traceback or fatal error in it, then its tail."""
+    lines = stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(("Traceback", "Fatal Python error"))]
+    blocks = ["\n".join(lines[i:i + 60]) for i in starts]
+    return "\n---\n".join([*blocks, "last lines:", "\n".join(lines[-40:])])
+
+
 def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     """hardware=ddp_cpu as a user runs it: Lightning relaunches src/train.py for rank 1."""
     from conftest import CHEAP, REPO_ROOT, TINY_DATA
@@ -144,8 +153,10 @@ def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
         sys.executable, "src/train.py", "hardware=ddp_cpu", *TINY_DATA, *CHEAP,
         f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}",
     ]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # faulthandler: a rank that dies of a signal still leaves its Python stack in stderr
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, _rank_failures(done.stderr)
     (run_dir,) = (log_dir / "train" / "runs").iterdir()
     trained = json.loads((run_dir / "metrics.json").read_text())
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
