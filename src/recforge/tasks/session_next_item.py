@@ -15,6 +15,7 @@ from recforge.kernels import target_rank_counts
 from recforge.losses.sampled import NEXT_ITEM_COLUMNS, SampledLoss
 from recforge.metrics import RankingMetrics
 from recforge.optim.clipping import clip_grad_norm_, clip_grad_value_
+from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parameter_names
 
 # Ranking metrics are reduced inside RankingMetrics (count sums across ranks) before they are
 # logged, so Lightning's advice to sync_dist them would only average identical values.
@@ -99,6 +100,25 @@ class SessionNextItemTask(L.LightningModule):
         self._sampler_state: dict | None = None
         self._train_hidden: list[torch.Tensor] | None = None
         self._eval_hidden: list[torch.Tensor] | None = None
+        self._sparse_synced: list[nn.Parameter] = []
+
+    def setup(self, stage: str) -> None:
+        # Before the strategy wraps the module: under DDP the sparse item tables are averaged by
+        # the task (optim/sparse_grad_sync.py), not by DDP's sparse all-reduce.
+        if self.trainer.world_size > 1:
+            names = sparse_parameter_names(self)
+            self._ddp_params_and_buffers_to_ignore = names
+            self._sparse_synced = [self.get_parameter(name) for name in names]
+
+    def on_fit_start(self) -> None:
+        # DDP reads the ignore list when it wraps the module: if a strategy wrapped it earlier,
+        # these gradients would be averaged twice, silently.
+        ignored = getattr(self.trainer.strategy.model, "parameters_to_ignore", None)
+        if self._sparse_synced and ignored is not None and not set(self._ddp_params_and_buffers_to_ignore) <= set(ignored):
+            raise RuntimeError(
+                f"DDP still reduces {sorted(set(self._ddp_params_and_buffers_to_ignore) - set(ignored))}, "
+                "which the task averages itself"
+            )
 
     @property
     def min_batch_rows(self) -> int:
@@ -168,6 +188,8 @@ class SessionNextItemTask(L.LightningModule):
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
         self.manual_backward(loss)
+        if self._sparse_synced:
+            average_sparse_grads_(self._sparse_synced)
         if not step:
             return  # the gradients were all-reduced; a padded step must not move momentum
         if self.gradient_clip_val:
