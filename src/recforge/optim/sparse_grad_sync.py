@@ -34,20 +34,25 @@ def average_sparse_grads_(params: Iterable[nn.Parameter], group=None) -> None:
     sparse dimension (rows), as ``nn.Embedding(sparse=True)`` gives.
     """
     world = dist.get_world_size(group)
+    params = list(params)
+    local = []
     for p in params:
         grad = p.grad
         if grad is not None and not grad.is_sparse:
             raise ValueError(f"expected a sparse gradient for a parameter of shape {tuple(p.shape)}, got a dense one")
         if grad is None:
-            rows = torch.zeros(0, dtype=torch.long, device=p.device)
-            values = p.new_zeros((0, *p.shape[1:]))
+            local.append((torch.zeros(0, dtype=torch.long, device=p.device), p.new_zeros((0, *p.shape[1:]))))
         else:
-            rows, values = grad._indices()[0], grad._values()
-        count = torch.tensor([rows.shape[0]], dtype=torch.long, device=p.device)
-        counts = [torch.zeros_like(count) for _ in range(world)]
-        dist.all_gather(counts, count, group=group)
-        counts = [int(c) for c in counts]
-        longest = max(counts)
+            local.append((grad._indices()[0], grad._values()))
+    if not params:
+        return
+    # one collective for every parameter's row count, then two per parameter for its rows
+    count = torch.tensor([rows.shape[0] for rows, _ in local], dtype=torch.long, device=params[0].device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    counts_by_param = torch.stack(counts).t().tolist()  # [param][rank]
+    for p, (rows, values), rank_counts in zip(params, local, counts_by_param):
+        longest = max(rank_counts)
         padded_rows = rows.new_zeros(longest)
         padded_rows[: rows.shape[0]] = rows
         padded_values = values.new_zeros((longest, *values.shape[1:]))
@@ -56,6 +61,6 @@ def average_sparse_grads_(params: Iterable[nn.Parameter], group=None) -> None:
         all_values = [torch.empty_like(padded_values) for _ in range(world)]
         dist.all_gather(all_rows, padded_rows, group=group)
         dist.all_gather(all_values, padded_values, group=group)
-        rows = torch.cat([r[:n] for r, n in zip(all_rows, counts)])
-        values = torch.cat([v[:n] for v, n in zip(all_values, counts)]) / world
+        rows = torch.cat([r[:n] for r, n in zip(all_rows, rank_counts)])
+        values = torch.cat([v[:n] for v, n in zip(all_values, rank_counts)]) / world
         p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, p.shape, check_invariants=False)

@@ -114,11 +114,11 @@ class SessionNextItemTask(L.LightningModule):
         # DDP reads the ignore list when it wraps the module: if a strategy wrapped it earlier,
         # these gradients would be averaged twice, silently.
         ignored = getattr(self.trainer.strategy.model, "parameters_to_ignore", None)
-        if self._sparse_synced and ignored is not None and not set(self._ddp_params_and_buffers_to_ignore) <= set(ignored):
-            raise RuntimeError(
-                f"DDP still reduces {sorted(set(self._ddp_params_and_buffers_to_ignore) - set(ignored))}, "
-                "which the task averages itself"
-            )
+        if not self._sparse_synced or ignored is None:
+            return
+        reduced_twice = sorted(set(self._ddp_params_and_buffers_to_ignore) - set(ignored))
+        if reduced_twice:
+            raise RuntimeError(f"DDP still reduces {reduced_twice}, which the task averages itself")
 
     @property
     def min_batch_rows(self) -> int:
