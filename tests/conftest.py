@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,3 +100,84 @@ def make_cfg(tmp_path, data_dir):
 
     yield _make
     GlobalHydra.instance().clear()
+
+
+# ---------------------------------------------------------------- commands as a user types them
+# A user's command line is run word for word in a subprocess, from a directory laid out like the
+# repository: src/train.py, src/eval.py and a copy of conf/. What makes it cheap goes where a user
+# keeps machine-local settings, conf/local/default.yaml, so no paths.* or hydra.* override is
+# needed on the command line (such overrides hid a multirun that could not start).
+TINY_RUN = [
+    "trainer.max_epochs=2",
+    "trainer.log_every_n_steps=2",
+    "data.generator.n_items=100",
+    "data.generator.n_sessions=1000",
+    "task.sample_store_size=10000",
+    "trainer.limit_train_batches=10",
+    "trainer.limit_val_batches=2",
+    "trainer.limit_test_batches=2",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks.progress_bar.refresh_rate=0",
+]
+
+
+def user_checkout(root: Path, local: list[str] = TINY_RUN) -> Path:
+    """``root`` shaped like a checkout: src/train.py, src/eval.py, conf/ with ``local`` as its
+    conf/local/default.yaml (dotted ``key=value`` items)."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    (root / "src").mkdir(parents=True)
+    for script in ("train.py", "eval.py"):
+        shutil.copy2(REPO_ROOT / "src" / script, root / "src" / script)
+    shutil.copytree(CONF_DIR, root / "conf", ignore=shutil.ignore_patterns("local"))
+    (root / "conf" / "local").mkdir()
+    body = OmegaConf.to_yaml(OmegaConf.from_dotlist(list(local)))
+    (root / "conf" / "local" / "default.yaml").write_text("# @package _global_\n" + body)
+    return root
+
+
+def run_command(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a shell-style command line (``python`` is this interpreter) in ``cwd``."""
+    import shlex
+
+    words = shlex.split(command)
+    if words[0] == "python":
+        words[0] = sys.executable
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
+    env.pop("WANDB_API_KEY", None)
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def readme_commands() -> list[str]:
+    """The ``python ...`` command lines of the README's bash blocks: continuations joined,
+    trailing comments dropped."""
+    import re
+
+    text = (REPO_ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            line = re.sub(r"\s+", " ", line)
+            if line.startswith("python "):
+                commands.append(line)
+    return commands
+
+
+@pytest.fixture(scope="session")
+def user_sweep(tmp_path_factory):
+    """user_sweep(command, local=TINY_RUN) -> (checkout, finished process), each command run once
+    per test session in its own checkout (several test files read the same sweep)."""
+    runs: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def _run(command: str, local: list[str] = TINY_RUN):
+        key = (command, tuple(local))
+        if key not in runs:
+            checkout = user_checkout(tmp_path_factory.mktemp("checkout"), local)
+            runs[key] = checkout, run_command(command, cwd=checkout)
+        return runs[key]
+
+    return _run

@@ -1,14 +1,12 @@
 """notebooks/1.0-sweep-analysis.ipynb and the helpers it uses (recforge.analysis).
 
-The unit tests read a hand-made sweep directory; the slow tests run a tiny 2-job multirun of
-src/train.py and execute the notebook on it with nbclient.
+The unit tests read a hand-made sweep directory; the slow tests run the README's grid sweep as a
+user types it (tiny data from the checkout's conf/local) and execute the notebook on it with nbclient.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from conftest import readme_commands
 from recforge.analysis import (
     hyperparameter_columns,
     latest_sweep,
@@ -227,48 +226,33 @@ def test_notebook_is_stored_clean():
 
 # --------------------------------------------------------------------------- a real tiny sweep
 
-SWEEP_OVERRIDES = [
-    "model.hidden_size=8,16",
-    "trainer.max_epochs=2",
-    "trainer.limit_train_batches=4",
-    "trainer.limit_val_batches=1",
-    "trainer.limit_test_batches=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.log_every_n_steps=2",
-    "hardware=cpu",
-    "logger=csv",
-    "callbacks.progress_bar.refresh_rate=0",
-    "data.generator.n_sessions=1000",
-    "data.generator.n_items=100",
-]
+# The README's grid sweep, run as a user types it (tests/test_sweeps.py runs it too: one run serves both).
+README_GRID = "python src/train.py -m model=gru4rec loss=xe,bprmax model.hidden_size=64,128"
 
 
 @pytest.fixture(scope="module")
-def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-job multirun of src/train.py on tiny synthetic data (CPU, ~15-30 s, mostly start-up); its sweep directory."""
-    root = tmp_path_factory.mktemp("sweep")
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "disabled"}
-    command = [
-        sys.executable, "src/train.py", "-m", *SWEEP_OVERRIDES,
-        f"paths.log_dir={root / 'logs'}", f"paths.data_dir={root / 'data'}",
-    ]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def tiny_sweep(user_sweep) -> Path:
+    """The README grid sweep on tiny synthetic data (CPU, 2 epochs each); its sweep directory."""
+    assert README_GRID in readme_commands(), "the README no longer shows this sweep"
+    checkout, proc = user_sweep(README_GRID)
     assert proc.returncode == 0, f"multirun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return latest_sweep(root / "logs")
+    return latest_sweep(checkout / "outputs")
 
 
 @pytest.mark.slow
 def test_tiny_sweep_summary(tiny_sweep: Path):
     summary = pd.read_csv(tiny_sweep / "summary.csv")
-    assert len(summary) == 2
-    assert summary["job"].tolist() == [0, 1]
-    assert summary["model.hidden_size"].tolist() == [8, 16]
-    assert summary["status"].tolist() == ["ok", "ok"]
+    assert summary["job"].tolist() == [0, 1, 2, 3]
+    assert summary[["loss", "model.hidden_size"]].values.tolist() == [
+        ["xe", 64], ["xe", 128], ["bprmax", 64], ["bprmax", 128]
+    ]
+    assert summary["status"].tolist() == ["ok"] * 4
     for metric in ("val/recall@20", "val/mrr@20", "test/recall@20", "test/mrr@20", "epochs"):
         assert metric in summary.columns and summary[metric].notna().all(), metric
-    assert hyperparameter_columns(load_sweep(tiny_sweep)) == ["model.hidden_size"]
+    # model=gru4rec is the same in every job: not a hyper-parameter of this sweep
+    assert hyperparameter_columns(load_sweep(tiny_sweep)) == ["loss", "model.hidden_size"]
     logs = load_epoch_logs(tiny_sweep)
-    assert logs[["job", "epoch"]].values.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert logs[["job", "epoch"]].values.tolist() == [[j, e] for j in range(4) for e in range(2)]
     assert logs[["val/mrr@20", "train/loss_epoch"]].notna().all().all()
 
 

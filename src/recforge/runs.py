@@ -5,8 +5,6 @@ import csv
 import json
 import logging
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,28 +12,12 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 
+from recforge.utils.atomic import atomic_output, atomic_write_text
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
 SUMMARY_FILE = "summary.csv"
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write via a temporary file in the same directory, then rename: never half-written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a result file is not
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _plain(value: Any) -> Any:
@@ -90,12 +72,10 @@ def write_sweep_summary(sweep_dir: str | Path) -> Path | None:
     for row in rows:
         columns.extend(k for k in row if k not in columns)
     path = sweep_dir / SUMMARY_FILE
-    with tempfile.NamedTemporaryFile("w", dir=sweep_dir, delete=False, suffix=".tmp", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
+    with atomic_output(path, newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-        tmp = f.name
-    os.replace(tmp, path)
     return path
 
 

@@ -3,7 +3,20 @@ from __future__ import annotations
 
 import os
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+
+
+def launch_dir() -> str:
+    """The directory the command was started from.
+
+    ``${hydra:runtime.cwd}`` says the same inside a job, but a multirun resolves its sweep
+    directory before Hydra sets the job config that resolver reads, so it cannot be used there.
+    Jobs of other processes (joblib, submitit) read the launching process's cwd from their config.
+    """
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.cwd)
+    return os.getcwd()
 
 
 def wandb_offline() -> bool:
@@ -21,6 +34,8 @@ def wandb_offline() -> bool:
 
 
 def register() -> None:
+    if not OmegaConf.has_resolver("recforge_launch_dir"):
+        OmegaConf.register_new_resolver("recforge_launch_dir", launch_dir)
     if not OmegaConf.has_resolver("recforge_wandb_offline"):
         OmegaConf.register_new_resolver("recforge_wandb_offline", wandb_offline)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from recforge.errors import UserInputError
+from recforge.utils.atomic import atomic_output
 
 __all__ = [
     "SESSION_KEY",
@@ -115,31 +115,10 @@ def write_session_file(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
         raise SessionFileError(
             f"cannot write {path}: frame lacks column(s) {missing}; it has {list(df.columns)}"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory as the target so os.replace is a rename on one filesystem, hence atomic.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            # float_format=None writes repr(): the shortest text that parses back to the same float.
-            df[keys].to_csv(handle, sep="\t", index=False, lineterminator="\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would make shared caches unreadable
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_output(path, newline="") as handle:
+        # float_format=None writes repr(): the shortest text that parses back to the same float.
+        df[keys].to_csv(handle, sep="\t", index=False, lineterminator="\n")
     return path
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
 
 
 def _read_header(path: Path) -> list[str]:

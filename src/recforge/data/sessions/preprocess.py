@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -56,6 +55,7 @@ from recforge.data.sessions.preprocessing.steps import (
     time_split,
     train_test_valid,
 )
+from recforge.utils.atomic import atomic_write_text
 
 __all__ = [
     "DATASETS",
@@ -187,19 +187,17 @@ def prepare(
         write_session_file(frame, outputs[name])
         stats[name] = _stats(frame)
         log.info("%s %s: %s", dataset, name, stats[name])
-    _write_json_atomic(
-        out / MARKER_FILE,
-        {
-            "dataset": dataset,
-            "version": _VERSION,
-            "inputs": inputs,
-            "params": params,
-            "time_unit": spec.time_unit,
-            "files": OUTPUT_FILES,
-            "stats": stats,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        },
-    )
+    marker = {
+        "dataset": dataset,
+        "version": _VERSION,
+        "inputs": inputs,
+        "params": params,
+        "time_unit": spec.time_unit,
+        "files": OUTPUT_FILES,
+        "stats": stats,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    atomic_write_text(out / MARKER_FILE, json.dumps(marker, indent=2, sort_keys=True) + "\n")
     return outputs
 
 
@@ -264,24 +262,6 @@ def _stats(frame: pd.DataFrame) -> dict[str, int]:
         "sessions": int(frame[SESSION_KEY].nunique()),
         "items": int(frame[ITEM_KEY].nunique()),
     }
-
-
-def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the marker from other users
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
