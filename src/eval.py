@@ -2,16 +2,13 @@
 import hydra
 from omegaconf import DictConfig
 
-from recforge.errors import UserInputError
+from recforge.cli import one_line_errors
 from recforge.pipeline import evaluate
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    try:
-        evaluate(cfg)
-    except UserInputError as error:
-        raise SystemExit(f"recforge: {error}") from None
+    one_line_errors(lambda: evaluate(cfg))
 
 
 if __name__ == "__main__":

@@ -2,18 +2,18 @@
 import hydra
 from omegaconf import DictConfig
 
-from recforge.errors import UserInputError
+from recforge.cli import one_line_errors
 from recforge.pipeline import metric_value, train
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    try:
+    def run() -> float | None:
         metrics = train(cfg)
-    except UserInputError as error:
-        raise SystemExit(f"recforge: {error}") from None
-    # Sweepers (Optuna) optimise the returned value.
-    return metric_value(metrics, cfg.get("optimized_metric")) if cfg.get("train", True) else None
+        # Sweepers (Optuna) optimise the returned value.
+        return metric_value(metrics, cfg.get("optimized_metric")) if cfg.get("train", True) else None
+
+    return one_line_errors(run)
 
 
 if __name__ == "__main__":

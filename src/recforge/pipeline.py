@@ -1,28 +1,45 @@
-"""Build and run experiments from a composed config: the body of src/train.py and src/eval.py."""
+"""Build and run experiments from a composed config: the body of src/train.py and src/eval.py.
+
+Everything that can be found wrong before training is checked first, in this order: the
+checkpoint (resume / eval), the config's values and combination, then every configured data
+file; each failure is one ``recforge:`` line (:class:`recforge.errors.UserInputError`).
+"""
 from __future__ import annotations
 
 import logging
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
 
 import recforge.utils.resolvers  # noqa: F401 - registers the config resolvers
 from recforge.callbacks.run_config import RunConfigInCheckpoint
+from recforge.checkpoints import (
+    check_weights_fit,
+    checkpoint_path,
+    epochs_done,
+    load_checkpoint,
+    run_config_for,
+    with_run_experiment,
+)
 from recforge.config_checks import check_combination
+from recforge.config_values import check_config_values
+from recforge.errors import UserInputError
 from recforge.runs import write_metrics
+from recforge.utils.atomic import atomic_write_text
+from recforge.utils.config_tree import print_config_tree
+from recforge.utils.quiet import silence_known_noise
 
 log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-# Config sections that describe the experiment itself (restored from a run for evaluation).
-EXPERIMENT_KEYS = ("data", "model", "task", "optimizer", "loss", "evaluation")
 
 
 def _choices() -> dict[str, str]:
@@ -35,18 +52,40 @@ def output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.paths.output_dir)
 
 
-def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
-    """Instantiate the data module and the task (model, loss, optimizer, metrics) it feeds."""
+def check_config(cfg: DictConfig) -> None:
+    """Values against their targets' signatures, then the data x model x loss combination."""
+    check_config_values(cfg)
     check_combination(cfg, CONF_DIR, _choices())
-    datamodule = instantiate(cfg.data)
+
+
+def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
+    # A UserInputError raised while building (a bad file, a bad combination of values) is the
+    # user's one line, not Hydra's wrapped traceback.
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, UserInputError):
+            raise error.__cause__ from None
+        raise
+
+
+def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """Check the config, then instantiate the data module and the task it feeds."""
+    check_config(cfg)
+    return _build(cfg)
+
+
+def _build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """Instantiate the data module and the task (model, loss, optimizer, metrics) it feeds."""
+    datamodule = _instantiate(cfg.data)
     # _convert_: plain containers in the task's hyper-parameters keep checkpoints loadable with
     # torch.load(weights_only=True).
-    task = instantiate(
+    task = _instantiate(
         cfg.task,
         _convert_="all",
-        model=instantiate(cfg.model),
-        loss=instantiate(cfg.loss),
-        optimizer=instantiate(cfg.optimizer),
+        model=_instantiate(cfg.model),
+        loss=_instantiate(cfg.loss),
+        optimizer=_instantiate(cfg.optimizer),
         evaluation=OmegaConf.to_container(cfg.evaluation, resolve=True),
         # what the task must know about the data (catalogue size, popularity, ...): each data
         # module says, so build() stays the same for every model family
@@ -55,10 +94,18 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
     return datamodule, task
 
 
+def _read_inputs(datamodule: L.LightningDataModule, fit: bool, test: bool) -> None:
+    # Every configured file is read (and refused, if bad) before training, not after it.
+    if fit:
+        datamodule.setup("fit")
+    if test:
+        datamodule.setup("test")
+
+
 def _instantiate_group(node: DictConfig | None) -> list[Any]:
     if not node:
         return []
-    return [instantiate(v) for v in node.values() if isinstance(v, DictConfig) and "_target_" in v]
+    return [_instantiate(v) for v in node.values() if isinstance(v, DictConfig) and "_target_" in v]
 
 
 def _callbacks(cfg: DictConfig, has_validation: bool) -> list[L.Callback]:
@@ -70,7 +117,7 @@ def _callbacks(cfg: DictConfig, has_validation: bool) -> list[L.Callback]:
         # Nothing to monitor: keep the last checkpoint, stop by max_epochs.
         if "early_stopping" in node:
             del node["early_stopping"]
-            log.warning("no validation split (data.valid_path is null): early stopping is off")
+            log.info("no validation split: early stopping is off, the last checkpoint is tested")
         if "model_checkpoint" in node:
             node.model_checkpoint.monitor = None
     callbacks = _instantiate_group(node)
@@ -78,8 +125,25 @@ def _callbacks(cfg: DictConfig, has_validation: bool) -> list[L.Callback]:
     return callbacks
 
 
-def _trainer(cfg: DictConfig, callbacks: list, loggers: list) -> L.Trainer:
-    return instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+def _check_stops(cfg: DictConfig, callbacks: list[L.Callback]) -> None:
+    """Refuse a run that nothing would ever stop (``trainer.max_epochs=-1`` alone)."""
+    trainer = cfg.trainer
+    if trainer.get("max_epochs") != -1 or trainer.get("max_steps", -1) not in (-1, None):
+        return
+    if trainer.get("max_time") is not None or trainer.get("fast_dev_run"):
+        return
+    if any(isinstance(cb, L.pytorch.callbacks.EarlyStopping) for cb in callbacks):
+        return
+    raise UserInputError(
+        "trainer.max_epochs=-1 trains until something stops it, and nothing would: early stopping "
+        "needs a validation split (data.valid_path) and callbacks.early_stopping; otherwise set "
+        "trainer.max_epochs, trainer.max_steps or trainer.max_time"
+    )
+
+
+def _trainer(cfg: DictConfig, callbacks: list, loggers: list, has_validation: bool = True) -> L.Trainer:
+    extra = {} if has_validation else {"limit_val_batches": 0, "num_sanity_val_steps": 0}
+    return instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
 
 
 def _finish_wandb() -> None:
@@ -102,21 +166,68 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+@rank_zero_only
+def _announce(cfg: DictConfig, what: str) -> None:
+    """At start: the config tree and where this run writes; the effective config in .hydra/."""
+    run_dir = output_dir(cfg)
+    extras = cfg.get("extras") or {}
+    if extras.get("print_config", True):
+        print_config_tree(cfg, run_dir / "config_tree.log")
+    if HydraConfig.initialized() and HydraConfig.get().output_subdir is not None:
+        # Hydra saved the config it composed; resume and eval replace sections with the run's,
+        # and the run directory must say what really ran (eval.py reads it back from there).
+        saved = run_dir / HydraConfig.get().output_subdir / "config.yaml"
+        if saved.is_file():
+            atomic_write_text(saved, OmegaConf.to_yaml(cfg))
+    log.info("%s; run directory: %s", what, run_dir)
+
+
+def _start(cfg: DictConfig) -> None:
+    extras = cfg.get("extras") or {}
+    if extras.get("silence_known_warnings", True):
+        silence_known_noise()
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit, then test the best checkpoint; write metrics.json; return the metrics."""
     started = time.perf_counter()
+    _start(cfg)
+    resume = checkpoint_path(cfg)
+    run_cfg = None
+    if resume is not None:
+        # Resume continues the run's experiment; the command line's keys win (README: Resume).
+        run_cfg = run_config_for(resume, cfg.get("run_config"))
+        cfg = with_run_experiment(cfg, run_cfg)
+    check_config(cfg)
+    _announce(cfg, "resuming " + str(resume) if resume else "training")
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    datamodule, task = build(cfg)
-    callbacks = _callbacks(cfg, getattr(datamodule, "has_validation", True))
+    datamodule, task = _build(cfg)
+    do_fit, do_test = cfg.get("train", True), cfg.get("test", True)
+    _read_inputs(datamodule, do_fit, do_test)
+    has_validation = getattr(datamodule, "has_validation", True)
+    callbacks = _callbacks(cfg, has_validation)
+    if do_fit:
+        _check_stops(cfg, callbacks)
+    if resume is not None:
+        checkpoint = load_checkpoint(resume)
+        check_weights_fit(task, checkpoint, resume, cfg, run_cfg)
+        done, max_epochs = epochs_done(checkpoint), cfg.trainer.get("max_epochs")
+        if do_fit and max_epochs not in (None, -1) and done >= max_epochs:
+            raise UserInputError(
+                f"ckpt_path={resume} has trained {done} epoch(s) and trainer.max_epochs={max_epochs}: "
+                "nothing left to train; set trainer.max_epochs to the total to reach (resume takes "
+                "trainer settings from the command line, not from the run)"
+            )
+        del checkpoint
     loggers = _instantiate_group(cfg.get("logger"))
     try:
-        trainer = _trainer(cfg, callbacks, loggers)
+        trainer = _trainer(cfg, callbacks, loggers, has_validation)
         for logger in trainer.loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         metrics: dict[str, Any] = {}
-        if cfg.get("train", True):
-            trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        if do_fit:
+            trainer.fit(task, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
             metrics.update(_scalar_metrics(trainer.callback_metrics))
             metrics["epochs"] = trainer.current_epoch
         ckpt = trainer.checkpoint_callback
@@ -125,8 +236,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             test_ckpt = ckpt.best_model_path or ckpt.last_model_path or None
             if ckpt.best_model_score is not None and ckpt.monitor:
                 metrics[f"{ckpt.monitor}_best"] = float(ckpt.best_model_score)
-        if cfg.get("test", True):
-            if test_ckpt is None and cfg.get("train", True):
+        if do_test:
+            if test_ckpt is None and do_fit:
                 log.warning("no checkpoint was saved: testing the weights as they are")
             trainer.test(task, datamodule=datamodule, ckpt_path=test_ckpt)
             metrics.update(_scalar_metrics(trainer.callback_metrics))
@@ -143,72 +254,28 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         _finish_wandb()
 
 
-def run_config_for(ckpt_path: str | Path, run_config: str | None = None) -> DictConfig:
-    """The training run's config: given, beside the checkpoint (<run>/.hydra), or inside it."""
-    candidates = [Path(run_config)] if run_config else []
-    ckpt_path = Path(ckpt_path)
-    candidates.append(ckpt_path.resolve().parent.parent / ".hydra" / "config.yaml")
-    for path in candidates:
-        if path.exists():
-            return OmegaConf.load(path)
-    if run_config:
-        raise FileNotFoundError(f"run_config={run_config}: no such file")
-    if not ckpt_path.exists():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint")
-    stored = torch.load(ckpt_path, map_location="cpu", weights_only=False).get(
-        RunConfigInCheckpoint.key
-    )
-    if stored is None:
-        raise ValueError(
-            f"{ckpt_path} holds no run config and no .hydra/config.yaml sits beside its run: "
-            "pass run_config=<path to the training run's .hydra/config.yaml>"
-        )
-    return OmegaConf.create(stored)
-
-
-def _user_override_keys() -> list[str]:
-    if not HydraConfig.initialized():
-        return []
-    keys = []
-    for item in HydraConfig.get().overrides.task:
-        key = item.split("=", 1)[0].lstrip("+~")
-        keys.append(key)
-    return keys
-
-
-def evaluation_config(cfg: DictConfig) -> DictConfig:
-    """The eval command's config: the run's experiment sections, overridden by the command line."""
-    run_cfg = run_config_for(cfg.ckpt_path, cfg.get("run_config"))
-    merged = cfg.copy()
-    overridden = _user_override_keys()
-    with open_dict(merged):
-        for key in EXPERIMENT_KEYS:
-            if key in run_cfg and not any(o == key for o in overridden):
-                merged[key] = run_cfg[key]
-        # Dotted overrides (data.test_path=...) win over the run's values.
-        for key in overridden:
-            section = key.split(".", 1)[0]
-            if section in EXPERIMENT_KEYS and "." in key:
-                OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
-    return merged
-
-
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Test a checkpoint with its run's data and model; write metrics.json; return the metrics."""
-    # Testing restores only weights and data state; the training callbacks it names are not needed.
-    warnings.filterwarnings("ignore", message=r".*callbacks used to create the checkpoint need")
-    cfg = evaluation_config(cfg)
+    _start(cfg)
+    ckpt_path = checkpoint_path(cfg)
+    run_cfg = run_config_for(ckpt_path, cfg.get("run_config"))
+    cfg = with_run_experiment(cfg, run_cfg)
+    check_config(cfg)
+    _announce(cfg, f"testing {ckpt_path}")
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    datamodule, task = build(cfg)
+    datamodule, task = _build(cfg)
+    _read_inputs(datamodule, fit=False, test=True)
+    check_weights_fit(task, load_checkpoint(ckpt_path), ckpt_path, cfg, run_cfg)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, [], loggers)
-        trainer.test(task, datamodule=datamodule, ckpt_path=str(cfg.ckpt_path))
+        trainer.test(task, datamodule=datamodule, ckpt_path=str(ckpt_path))
         metrics: dict[str, Any] = _scalar_metrics(trainer.callback_metrics)
-        metrics["test_checkpoint"] = str(cfg.ckpt_path)
+        metrics["test_checkpoint"] = str(ckpt_path)
         if trainer.is_global_zero:
-            write_metrics(output_dir(cfg), metrics)
+            path = write_metrics(output_dir(cfg), metrics)
+            log.info("metrics: %s", path)
         return metrics
     finally:
         _finish_wandb()
@@ -217,17 +284,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:
     """The value a sweeper optimises.
 
-    A metric that was not logged (no validation split, say) is an error only where a sweeper
-    needs the value (Optuna); a plain run just warns.
+    Only a sweeper that optimises (Optuna) needs it: there a metric that was not logged (no
+    validation split, say) is an error; a plain run or a grid sweep does not mention it.
     """
-    if not name:
-        return None
-    if name not in metrics:
-        message = (
-            f"optimized_metric={name} was not logged; logged metrics: {', '.join(sorted(metrics))}"
-        )
-        if _choices().get("hydra/sweeper") == "optuna":
-            raise KeyError(message)
-        log.warning(message)
+    if not name or name not in metrics:
+        if name and _choices().get("hydra/sweeper") == "optuna":
+            raise UserInputError(
+                f"optimized_metric={name} was not logged, so the sweeper has nothing to optimise; "
+                f"logged metrics: {', '.join(sorted(metrics))}"
+            )
         return None
     return float(metrics[name])

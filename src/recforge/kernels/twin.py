@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from typing import Literal
 
 from torch import Tensor
+
+KernelImpl = Literal["pytorch", "triton"]
+"""The values of every kernel switch (``loss.kernel``, ``optimizer.kernel``, ``evaluation.kernel``)."""
 
 
 class TritonTwin:

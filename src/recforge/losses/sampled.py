@@ -7,11 +7,15 @@ shrinking batch at the end of an epoch does not weigh its rows more.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recforge.config_values import Range
 from recforge.kernels.sampled_loss import negatives_softmax, sampled_bprmax, sampled_softmax_xe
+from recforge.kernels.twin import KernelImpl
 
 # Every next-item loss consumes this kind of score matrix; models that produce it declare the same.
 NEXT_ITEM_COLUMNS = "next_item_columns"
@@ -43,7 +47,7 @@ class CrossEntropy(SampledLoss):
     column's sampling weight (raw popularity for in-batch targets, popularity^alpha for samples).
     """
 
-    def __init__(self, logq: float = 0.0, kernel: str = "pytorch") -> None:
+    def __init__(self, logq: Annotated[float, Range(ge=0)] = 0.0, kernel: KernelImpl = "pytorch") -> None:
         super().__init__()
         self.logq = float(logq)
         self.kernel = kernel
@@ -63,7 +67,7 @@ class CrossEntropy(SampledLoss):
 class _ELUScored(SampledLoss):
     """A loss whose final activation is ELU(alpha=elu_param); 0 keeps the scores linear."""
 
-    def __init__(self, elu_param: float) -> None:
+    def __init__(self, elu_param: Annotated[float, Range(ge=0)]) -> None:
         super().__init__()
         self.elu_param = float(elu_param)
 
@@ -78,7 +82,12 @@ class BPRMax(_ELUScored):
     detached. With ``elu_param > 0`` the scores first pass through ELU(alpha=elu_param).
     """
 
-    def __init__(self, bpreg: float = 1.0, elu_param: float = 0.5, kernel: str = "pytorch") -> None:
+    def __init__(
+        self,
+        bpreg: Annotated[float, Range(ge=0)] = 1.0,
+        elu_param: Annotated[float, Range(ge=0)] = 0.5,
+        kernel: KernelImpl = "pytorch",
+    ) -> None:
         super().__init__(elu_param)
         self.bpreg = float(bpreg)
         self.kernel = kernel
@@ -96,7 +105,7 @@ class TOP1Max(_ELUScored):
     the scores first pass through ELU(alpha=elu_param); 0 keeps them linear.
     """
 
-    def __init__(self, elu_param: float = 0.0) -> None:
+    def __init__(self, elu_param: Annotated[float, Range(ge=0)] = 0.0) -> None:
         super().__init__(elu_param)
 
     def forward(

@@ -7,11 +7,14 @@ scores either a few item columns (training: targets + negatives) or the whole ca
 from __future__ import annotations
 
 import math
+from typing import Annotated, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from recforge.config_values import Range
+from recforge.errors import UserInputError
 from recforge.models.row_lookup import shared_row_lookup
 
 
@@ -137,15 +140,15 @@ class GRU4Rec(nn.Module):
     def __init__(
         self,
         n_items: int,
-        hidden_size: int = 100,
-        num_layers: int = 1,
-        layers: list[int] | None = None,
-        embedding: int = 0,
+        hidden_size: Annotated[int, Range(ge=1)] = 100,
+        num_layers: Annotated[int, Range(ge=1)] = 1,
+        layers: list[Annotated[int, Range(ge=1)]] | None = None,
+        embedding: Annotated[int, Range(ge=0)] = 0,
         constrained_embedding: bool = True,
-        dropout_p_embed: float = 0.0,
-        dropout_p_hidden: float = 0.0,
+        dropout_p_embed: Annotated[float, Range(ge=0, lt=1)] = 0.0,
+        dropout_p_hidden: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         sparse_embeddings: bool = True,
-        cell: str = "torch",
+        cell: Literal["torch", "original"] = "torch",
     ) -> None:
         super().__init__()
         if cell not in ("torch", "original"):
@@ -155,7 +158,7 @@ class GRU4Rec(nn.Module):
         if not self.layers or min(self.layers) < 1:
             raise ValueError(f"model.layers must be positive sizes, got {self.layers}")
         if constrained_embedding and embedding:
-            raise ValueError(
+            raise UserInputError(
                 "model.embedding must be 0 with model.constrained_embedding=true: the shared "
                 "embedding is the output matrix itself (width = last layer size)"
             )

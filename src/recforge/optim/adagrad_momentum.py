@@ -8,9 +8,13 @@ keep their velocity untouched (no decay, no step), as the reference does.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 
+from recforge.config_values import Range
 from recforge.kernels.rowwise_adagrad import IMPLS, sparse_adagrad_momentum_
+from recforge.kernels.twin import KernelImpl
 
 
 class IndexedAdagradM(torch.optim.Optimizer):
@@ -25,7 +29,12 @@ class IndexedAdagradM(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params, lr: float = 0.05, momentum: float = 0.0, eps: float = 1e-6, kernel: str = "pytorch"
+        self,
+        params,
+        lr: Annotated[float, Range(gt=0)] = 0.05,
+        momentum: Annotated[float, Range(ge=0, lt=1)] = 0.0,
+        eps: Annotated[float, Range(gt=0)] = 1e-6,
+        kernel: KernelImpl = "pytorch",
     ) -> None:
         if kernel not in IMPLS:
             raise ValueError(f"kernel must be one of {IMPLS}, got {kernel!r}")

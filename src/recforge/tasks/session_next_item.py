@@ -1,25 +1,24 @@
 """LightningModule for session-based next-item models trained session-parallel (GRU4Rec)."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
+from typing import Annotated, Literal, get_args
 
 import lightning as L
 import numpy as np
 import torch
 from torch import nn
 
+from recforge.config_values import Range
+from recforge.errors import UserInputError
 from recforge.data.batches import SessionStep, SessionSteps
 from recforge.data.negatives import PopularitySampler
 from recforge.kernels import target_rank_counts
+from recforge.kernels.twin import KernelImpl
 from recforge.losses.sampled import NEXT_ITEM_COLUMNS, SampledLoss
 from recforge.metrics import RankingMetrics
 from recforge.optim.clipping import clip_grad_norm_, clip_grad_value_
 from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parameter_names
-
-# Ranking metrics are reduced inside RankingMetrics (count sums across ranks) before they are
-# logged, so Lightning's advice to sync_dist them would only average identical values.
-warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level")
 
 
 class SessionNextItemTask(L.LightningModule):
@@ -57,15 +56,15 @@ class SessionNextItemTask(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer],
         n_items: int,
         item_popularity: Sequence[int] | np.ndarray | torch.Tensor,
-        batch_size: int,
+        batch_size: Annotated[int, Range(ge=1)],
         evaluation: dict,
         scheduler: Callable | None = None,
-        n_sample: int = 0,
-        sample_alpha: float = 0.5,
-        sample_store_size: int = 10_000_000,
+        n_sample: Annotated[int, Range(ge=0)] = 0,
+        sample_alpha: Annotated[float, Range(ge=0)] = 0.5,
+        sample_store_size: Annotated[int, Range(ge=1)] = 10_000_000,
         seed: int | None = 0,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str = "norm",
+        gradient_clip_val: Annotated[float, Range(gt=0)] | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(
@@ -81,9 +80,18 @@ class SessionNextItemTask(L.LightningModule):
         self.register_buffer("popularity", popularity.float())
         self.register_buffer("log_popularity", torch.log(popularity.float().clamp_min(1.0)))
         evaluation = dict(evaluation)
-        self.chunk_size = int(evaluation.pop("chunk_size", 8192))
-        self.rank_kernel = str(evaluation.pop("kernel", "pytorch"))
-        self.val_metrics = RankingMetrics(**evaluation)
+        self.chunk_size = evaluation.pop("chunk_size", 8192)
+        self.rank_kernel = evaluation.pop("kernel", "pytorch")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise UserInputError(f"evaluation.chunk_size={self.chunk_size}: expected an integer >= 1")
+        if self.rank_kernel not in get_args(KernelImpl):
+            raise UserInputError(
+                f"evaluation.kernel={self.rank_kernel}: expected one of {', '.join(get_args(KernelImpl))}"
+            )
+        try:
+            self.val_metrics = RankingMetrics(**evaluation)
+        except (ValueError, TypeError) as error:  # the protocol's keys: ks, metrics, ties
+            raise UserInputError(f"evaluation: {error}") from error
         self.test_metrics = RankingMetrics(**evaluation)
         # Manual optimisation: GRU4Rec's step is small, and Lightning's closure machinery cost a
         # quarter of it; it also lets a padded DDP step join the all-reduce without an update.
@@ -123,13 +131,6 @@ class SessionNextItemTask(L.LightningModule):
     @property
     def min_batch_rows(self) -> int:
         return self.loss.min_batch_rows(self.n_sample)
-
-    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
-        # Lightning's generic mover deep-copies dataclass batches (~1 ms a step on CPU, a fifth of
-        # a GRU4Rec step); a session step knows how to move itself.
-        if isinstance(batch, (SessionStep, SessionSteps)):
-            return batch.to(device, non_blocking=True)
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     # ------------------------------------------------------------------ training
     @property

@@ -5,12 +5,14 @@ import hashlib
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import Annotated, Literal
 
 import lightning as L
 
+from recforge.config_values import Range
 from recforge.data.batches import SessionStep
 from recforge.data.sessions.datasets import GroupedSteps, SessionParallelSteps
-from recforge.data.sessions.io import read_session_file, sort_sessions
+from recforge.data.sessions.io import SessionFileError, read_session_file, sort_sessions
 from recforge.data.sessions.parallel import count_steps
 from recforge.data.sessions.store import ItemCatalog, SessionArrays
 from recforge.data.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
@@ -44,16 +46,16 @@ class SessionDataModule(L.LightningDataModule):
         train_path: str | None,
         test_path: str | None,
         valid_path: str | None = None,
-        batch_size: int = 32,
-        eval_batch_size: int = 512,
-        steps_per_batch: int = 1,
+        batch_size: Annotated[int, Range(ge=1)] = 32,
+        eval_batch_size: Annotated[int, Range(ge=1)] = 512,
+        steps_per_batch: Annotated[int, Range(ge=1)] = 1,
         session_key: str = "SessionId",
         item_key: str = "ItemId",
         time_key: str = "Time",
         dataset: str | None = None,
         raw_path: str | list[str] | None = None,
         prepared_dir: str | None = None,
-        protocol: str = "final",
+        protocol: Literal["final", "tuning"] = "final",
         preprocess: dict | None = None,
     ) -> None:
         super().__init__()
@@ -103,7 +105,10 @@ class SessionDataModule(L.LightningDataModule):
                 f"(tab-separated SessionId ItemId Time with a header), or set data.raw_path to "
                 f"the raw dataset to preprocess it"
             )
-        return read_session_file(path, **self.keys, sort=sort)
+        try:
+            return read_session_file(path, **self.keys, sort=sort)
+        except SessionFileError as error:
+            raise SessionFileError(f"data.{what}_path: {error}") from error
 
     @property
     def catalog(self) -> ItemCatalog:
@@ -112,7 +117,14 @@ class SessionDataModule(L.LightningDataModule):
             # Items are indexed in order of first appearance in the file, as the reference does.
             frame = self._read(self.train_path, "train", sort=False)
             self._catalog = ItemCatalog.from_events(frame["ItemId"])
-            self._splits["train"] = SessionArrays.from_frame(sort_sessions(frame), self._catalog)
+            train = SessionArrays.from_frame(sort_sessions(frame), self._catalog)
+            if train.n_targets == 0:
+                raise UserInputError(
+                    f"data.train_path={self.train_path}: nothing to train on: {train.n_sessions} "
+                    f"session(s) with {train.n_events} event(s) were read and no session has two "
+                    "events (a next-item model learns from consecutive events of a session)"
+                )
+            self._splits["train"] = train
             self._check_item_map()
         return self._catalog
 
@@ -124,11 +136,35 @@ class SessionDataModule(L.LightningDataModule):
         if name not in self._splits:
             catalog = self.catalog
             if name != "train":
-                path = {"val": self.valid_path, "test": self.test_path}[name]
-                self._splits[name] = SessionArrays.from_frame(
-                    self._read(path, "valid" if name == "val" else name), catalog
-                )
+                what = "valid" if name == "val" else name
+                frame = self._read({"val": self.valid_path, "test": self.test_path}[name], what)
+                self._splits[name] = self._known_items(frame, catalog, what)
         return self._splits[name]
+
+    def _known_items(self, frame, catalog: ItemCatalog, what: str) -> SessionArrays:
+        """An evaluation split without the events of items the training file lacks (the
+        reference protocol); says how many went, warns when most did, refuses when none is left."""
+        arrays = SessionArrays.from_frame(frame, catalog)
+        key = f"data.{what}_path={getattr(self, f'{what}_path')}"
+        read, dropped = len(frame), len(frame) - arrays.n_events
+        share = dropped / read
+        if arrays.n_targets == 0:
+            raise UserInputError(
+                f"{key}: nothing to evaluate: {dropped} of its {read} events ({share:.0%}) were dropped "
+                f"as items the training file ({self.train_path}) does not have, and no session of "
+                "the rest has two events"
+            )
+        log.info(
+            "%s: %d events read, %d (%.1f%%) of items unknown to the training file dropped; "
+            "%d sessions, %d targets left", what, read, dropped, 100 * share, arrays.n_sessions,
+            arrays.n_targets,
+        )
+        if share > 0.5:
+            log.warning(
+                "%s: %.0f%% of its events (%d of %d) are of items unknown to the training file and were "
+                "dropped; the metrics cover the rest only", key, 100 * share, dropped, read,
+            )
+        return arrays
 
     def setup(self, stage: str | None = None) -> None:
         self.catalog  # noqa: B018 - reads train and builds the item map
@@ -167,6 +203,12 @@ class SessionDataModule(L.LightningDataModule):
         steps = SessionParallelSteps(
             arrays, arrays.partition(rank, world), self.batch_size, min_rows, pad_to
         )
+        if world == 1 and len(steps) == 0:
+            raise UserInputError(
+                f"data.train_path={self.train_path}: nothing to train on: no mini-batch has the "
+                f"{min_rows} sessions of two or more events that the loss needs (the mini-batch's "
+                "own targets are its only negatives without task.n_sample)"
+            )
         return steps if self.steps_per_batch == 1 else GroupedSteps(steps, self.steps_per_batch)
 
     def _eval_loader(self, name: str):

@@ -1,0 +1,206 @@
+"""Check config values against the signatures of what they configure, before anything is built.
+
+Every config node with a ``_target_`` is read against that target's parameters: their types and,
+where a parameter is annotated ``Annotated[int, Range(ge=1)]``, their range. ``model.hidden_size=0``
+or ``loss.bpreg=abc`` then fails at start in one line that names the key the user set and what
+is allowed, not in a traceback from deep inside the build that names some derived value.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from recforge.errors import UserInputError
+
+__all__ = ["ConfigValueError", "Range", "check_config_values"]
+
+
+class ConfigValueError(UserInputError):
+    """A config value its target cannot take."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bounds of a numeric parameter: ``Annotated[float, Range(ge=0, lt=1)]``."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, value: Real) -> bool:
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def __str__(self) -> str:
+        parts = [f"{op} {_num(bound)}" for op, bound in
+                 ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt)) if bound is not None]
+        return " and ".join(parts)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# ---------------------------------------------------------------------------- types
+_HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
+
+
+def _expected(annotation: Any) -> str:
+    """What an annotation allows, in words."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        ranges = [str(a) for a in args[1:] if isinstance(a, Range)]
+        return " ".join([_expected(args[0]), *ranges])
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_expected(a) for a in args))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(_shown(a) for a in args)
+    if origin in (list, tuple, Sequence):
+        return f"a list (each item {_expected(args[0])})" if args else "a list"
+    if annotation is type(None):
+        return "null"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        annotation, "a mapping" if origin in (dict, Mapping) or annotation in (dict, Mapping) else "a value"
+    )
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        ranges = [a for a in args[1:] if isinstance(a, Range)]
+        return _fits(value, args[0]) and all(r.holds(value) for r in ranges)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, Sequence) or annotation in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        return not args or all(_fits(v, args[0]) for v in value)
+    if origin in (dict, Mapping) or annotation in (dict, Mapping):
+        return isinstance(value, dict)
+    return True  # a class, a callable, Any: built or checked by its own code
+
+
+# ---------------------------------------------------------------------------- signatures
+def _parameters(target: Callable) -> tuple[dict[str, Any], bool]:
+    """(name -> annotation, takes arbitrary keywords) of what a config node's target accepts.
+
+    A class whose ``__init__`` passes ``**kwargs`` up is read up its MRO, so a subclass that
+    forwards to its parent's parameters is checked against them.
+    """
+    callables = [c.__init__ for c in inspect.getmro(target) if "__init__" in vars(c)] \
+        if inspect.isclass(target) else [target]
+    params: dict[str, Any] = {}
+    for function in callables:
+        signature = inspect.signature(function)
+        hints = _hints(function)
+        forwards = False
+        for name, p in signature.parameters.items():
+            if p.kind is p.VAR_KEYWORD:
+                forwards = True
+            elif p.kind is not p.VAR_POSITIONAL and name != "self":
+                params.setdefault(name, hints.get(name, Any))
+        if not forwards:
+            return params, False
+    return params, True
+
+
+def _hints(function: Callable) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(function, include_extras=True)
+    except Exception:  # an annotation that only resolves under TYPE_CHECKING: check the others
+        hints = {}
+        namespace = getattr(function, "__globals__", {})
+        for name, annotation in getattr(function, "__annotations__", {}).items():
+            try:
+                hints[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+            except Exception:
+                hints[name] = Any
+        return hints
+
+
+# ---------------------------------------------------------------------------- the walk
+def _targets(node: DictConfig, path: str) -> Iterator[tuple[str, DictConfig]]:
+    if "_target_" in node:
+        yield path, node
+    for key in node:
+        if key == "hydra" and not path:
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            yield from _targets(child, f"{path}.{key}" if path else str(key))
+
+
+def _source_key(node: DictConfig, key: str, path: str) -> str:
+    """The key a value comes from: ``data.batch_size`` for ``task.batch_size: ${data.batch_size}``."""
+    raw = node._get_node(key)._value()
+    match = re.fullmatch(r"\$\{([\w.@-]+)\}", raw) if isinstance(raw, str) else None
+    return match.group(1) if match else f"{path}.{key}"
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, str):
+        return repr(value) if value == "" or value != value.strip() else value
+    return str(value)
+
+
+def check_config_values(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigValueError` for the first value its target cannot take."""
+    from hydra.utils import get_object
+
+    for path, node in _targets(cfg, ""):
+        try:
+            target = get_object(node._target_)
+        except Exception:  # Hydra names an unimportable target itself when it builds it
+            continue
+        params, open_ended = _parameters(target)
+        name = getattr(target, "__qualname__", str(target))
+        for key in node:
+            if key in _HYDRA_KEYS or OmegaConf.is_missing(node, key):
+                continue
+            if key not in params:
+                if not open_ended:
+                    raise ConfigValueError(
+                        f"{path}.{key}: {name} takes no parameter {key!r}; it takes: {', '.join(params)}"
+                    )
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and "_target_" in child:
+                continue  # built from its own node, checked there
+            value = node[key]
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value, resolve=True)
+            if not _fits(value, params[key]):
+                raise ConfigValueError(
+                    f"{_source_key(node, key, path)}={_shown(value)}: expected {_expected(params[key])}"
+                )
