@@ -195,3 +195,35 @@ def test_real_yoochoose_sample(
     # ItemIds are kept as strings, exactly as written.
     first_line = path.read_text().splitlines()[1].split("\t")
     assert df["ItemId"].iloc[0] == first_line[1]
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+@pytest.mark.parametrize("item_last", [False, True])
+def test_gzipped_and_crlf_files_read_like_plain_ones(
+    tmp_path: Path, gzipped: bool, newline: str, item_last: bool
+) -> None:
+    import gzip
+
+    frame = _frame()
+    columns = ["SessionId", "Time", "ItemId"] if item_last else ["SessionId", "ItemId", "Time"]
+    text = frame[columns].to_csv(sep="\t", index=False, lineterminator=newline)
+    path = tmp_path / ("s.txt.gz" if gzipped else "s.txt")
+    if gzipped:
+        with gzip.open(path, "wt", encoding="utf-8", newline="") as f:
+            f.write(text)
+    else:
+        path.write_bytes(text.encode())
+    read = read_session_file(path)
+    expected = read_session_file(write_session_file(frame, tmp_path / "plain.txt"))
+    pd.testing.assert_frame_equal(read, expected)  # no '\r' left on the last column's values
+
+
+def test_gzipped_crlf_file_names_the_line_of_a_bad_value(tmp_path: Path) -> None:
+    import gzip
+
+    path = tmp_path / "bad.txt.gz"
+    with gzip.open(path, "wt", encoding="utf-8", newline="") as f:
+        f.write("SessionId\tItemId\tTime\r\n1\ta\t1.0\r\n1\tb\tsoon\r\n")
+    with pytest.raises(SessionFileError, match=r"bad\.txt\.gz, line 3: column 'Time': expected a finite number, got 'soon'"):
+        read_session_file(path)

@@ -160,3 +160,18 @@ def check_weights_fit(
         f"ckpt_path={ckpt_path} does not fit the model this config builds: {problems[0]}"
         f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}{differs}"
     )
+
+
+def check_resumable(
+    module: torch.nn.Module, ckpt_path: Path, cfg: DictConfig, run_cfg: DictConfig | None, fit: bool
+) -> None:
+    """Refuse a resume whose weights do not fit, or that has nothing left to train."""
+    checkpoint = load_checkpoint(ckpt_path)
+    check_weights_fit(module, checkpoint, ckpt_path, cfg, run_cfg)
+    done, max_epochs = epochs_done(checkpoint), cfg.trainer.get("max_epochs")
+    if fit and max_epochs not in (None, -1) and done >= max_epochs:
+        raise CheckpointError(
+            f"ckpt_path={ckpt_path} has trained {done} epoch(s) and trainer.max_epochs={max_epochs}: "
+            "nothing left to train; set trainer.max_epochs to the total to reach (resume takes "
+            "trainer settings from the command line, not from the run)"
+        )

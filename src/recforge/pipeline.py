@@ -22,9 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 import recforge.utils.resolvers  # noqa: F401 - registers the config resolvers
 from recforge.callbacks.run_config import RunConfigInCheckpoint
 from recforge.checkpoints import (
+    check_resumable,
     check_weights_fit,
     checkpoint_path,
-    epochs_done,
     load_checkpoint,
     run_config_for,
     with_run_experiment,
@@ -167,22 +167,24 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 @rank_zero_only
-def _announce(cfg: DictConfig, what: str) -> None:
-    """At start: the config tree and where this run writes; the effective config in .hydra/."""
+def _announce(cfg: DictConfig, what: str, from_run: bool = False) -> None:
+    """At start: the config tree and where this run writes.
+
+    ``from_run``: the config took sections from a checkpoint's run (resume, eval), so the one
+    Hydra saved in .hydra/ is not what runs; it is replaced (eval.py reads it back from there).
+    """
     run_dir = output_dir(cfg)
     extras = cfg.get("extras") or {}
     if extras.get("print_config", True):
         print_config_tree(cfg, run_dir / "config_tree.log")
-    if HydraConfig.initialized() and HydraConfig.get().output_subdir is not None:
-        # Hydra saved the config it composed; resume and eval replace sections with the run's,
-        # and the run directory must say what really ran (eval.py reads it back from there).
+    if from_run and HydraConfig.initialized() and HydraConfig.get().output_subdir is not None:
         saved = run_dir / HydraConfig.get().output_subdir / "config.yaml"
         if saved.is_file():
             atomic_write_text(saved, OmegaConf.to_yaml(cfg))
     log.info("%s; run directory: %s", what, run_dir)
 
 
-def _start(cfg: DictConfig) -> None:
+def _silence(cfg: DictConfig) -> None:
     extras = cfg.get("extras") or {}
     if extras.get("silence_known_warnings", True):
         silence_known_noise()
@@ -191,7 +193,7 @@ def _start(cfg: DictConfig) -> None:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit, then test the best checkpoint; write metrics.json; return the metrics."""
     started = time.perf_counter()
-    _start(cfg)
+    _silence(cfg)
     resume = checkpoint_path(cfg)
     run_cfg = None
     if resume is not None:
@@ -199,7 +201,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         run_cfg = run_config_for(resume, cfg.get("run_config"))
         cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
-    _announce(cfg, "resuming " + str(resume) if resume else "training")
+    _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, task = _build(cfg)
@@ -210,16 +212,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if do_fit:
         _check_stops(cfg, callbacks)
     if resume is not None:
-        checkpoint = load_checkpoint(resume)
-        check_weights_fit(task, checkpoint, resume, cfg, run_cfg)
-        done, max_epochs = epochs_done(checkpoint), cfg.trainer.get("max_epochs")
-        if do_fit and max_epochs not in (None, -1) and done >= max_epochs:
-            raise UserInputError(
-                f"ckpt_path={resume} has trained {done} epoch(s) and trainer.max_epochs={max_epochs}: "
-                "nothing left to train; set trainer.max_epochs to the total to reach (resume takes "
-                "trainer settings from the command line, not from the run)"
-            )
-        del checkpoint
+        check_resumable(task, resume, cfg, run_cfg, do_fit)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, callbacks, loggers, has_validation)
@@ -256,12 +249,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Test a checkpoint with its run's data and model; write metrics.json; return the metrics."""
-    _start(cfg)
+    _silence(cfg)
     ckpt_path = checkpoint_path(cfg)
     run_cfg = run_config_for(ckpt_path, cfg.get("run_config"))
     cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
-    _announce(cfg, f"testing {ckpt_path}")
+    _announce(cfg, f"testing {ckpt_path}", from_run=True)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule, task = _build(cfg)
