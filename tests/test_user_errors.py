@@ -76,6 +76,16 @@ def test_training_file_without_training_pairs_is_refused(tmp_path, files):
     )
 
 
+def test_too_few_sessions_for_the_loss_are_refused_before_a_step(tmp_path, files):
+    # one session with two events: without extra samples a mini-batch needs two such sessions
+    _sessions(files["single"], [["1", "2"]] + [[str(s % 40)] for s in range(50)])
+    _refused(
+        _cfg(tmp_path, *_rsc15(files, train="single"), "task.n_sample=0"),
+        r"^data\.train_path=.*single\.txt: nothing to train on: no mini-batch has the 2 sessions of two "
+        r"or more events that the loss needs",
+    )
+
+
 def test_test_file_of_unknown_items_is_refused(tmp_path, files):
     _refused(
         _cfg(tmp_path, *_rsc15(files, test="unknown")),

@@ -178,6 +178,8 @@ def check_config_values(cfg: DictConfig) -> None:
     """Raise :class:`ConfigValueError` for the first value its target cannot take."""
     from hydra.utils import get_object
 
+    import recforge.utils.resolvers  # noqa: F401 - values are resolved, and the configs use them
+
     for path, node in _targets(cfg, ""):
         try:
             target = get_object(node._target_)
