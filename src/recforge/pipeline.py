@@ -16,6 +16,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -132,7 +133,7 @@ def _check_stops(cfg: DictConfig, callbacks: list[L.Callback]) -> None:
         return
     if trainer.get("max_time") is not None or trainer.get("fast_dev_run"):
         return
-    if any(isinstance(cb, L.pytorch.callbacks.EarlyStopping) for cb in callbacks):
+    if any(isinstance(cb, EarlyStopping) for cb in callbacks):
         return
     raise UserInputError(
         "trainer.max_epochs=-1 trains until something stops it, and nothing would: early stopping "
