@@ -5,7 +5,7 @@ Lightning. Lightning moves dataclass batches to the device field by field.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -84,3 +84,54 @@ class SessionSteps:
         if not self.steps or self.steps[0].inputs.device == torch.device(device):
             return self
         return SessionSteps([step.to(device, non_blocking=non_blocking) for step in self.steps])
+
+
+@dataclass
+class HistoryBatch:
+    """User histories as one jagged batch: flat values plus offsets, never padded to a width.
+
+    Row ``b``'s history is ``items[offsets[b]:offsets[b + 1]]``, oldest first, at most the data
+    module's ``max_seq_len`` most recent items, with ``timestamps`` aligned (Unix seconds).
+    ``targets[b]`` is the item that follows the history (``target_timestamps[b]`` its time).
+
+    Training supervises every position: position ``p`` of row ``b`` predicts the history's next
+    item, and its last position predicts ``targets[b]``. Evaluation ranks ``targets[b]`` against
+    the full catalogue; ``exclude_items[exclude_offsets[b]:exclude_offsets[b + 1]]`` are the items
+    never ranked for row ``b`` (its history, as the evaluation's filter policy says), or None.
+
+    Item ids are catalogue indices in ``[0, n_items)``; ``users`` are row indices of the prepared
+    data (for per-user analysis), not raw ids.
+
+    Shapes: items, timestamps ``[ΣL]`` int64; offsets ``[B+1]`` int64 (offsets[0] = 0);
+    targets, target_timestamps, users ``[B]`` int64; exclude_items ``[E]`` and exclude_offsets
+    ``[B+1]`` int64, or both None.
+    """
+
+    items: torch.Tensor
+    timestamps: torch.Tensor
+    offsets: torch.Tensor
+    targets: torch.Tensor
+    target_timestamps: torch.Tensor
+    users: torch.Tensor
+    exclude_items: torch.Tensor | None = None
+    exclude_offsets: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Rows (users) in the batch."""
+        return int(self.targets.shape[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` history lengths."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> HistoryBatch:
+        """The batch on ``device`` (itself when already there)."""
+        if self.items.device == torch.device(device):
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return HistoryBatch(*(move(getattr(self, f.name)) for f in fields(self)))
