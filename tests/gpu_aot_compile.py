@@ -119,19 +119,30 @@ def _launches() -> list[tuple[str, Recorder, tuple, dict, dict]]:
                 ),
             )
     # Ranking: the GPU tiles for 512 and 32 query rows; fp32 upcasts, matching bf16 goes to tl.dot as is.
-    for n_rows in (512, 32):
+    # Each dtype meets all four bias x exclusion variants across the two row counts (the launch
+    # count stays two per row count and dtype); B=512 takes the heaviest of each (no bias without
+    # exclusions spilled most before exclusions existed). Exclusions: 7 ids per row, one repeated.
+    for n_rows, variants in ((512, ((False, False), (True, True))), (32, ((True, False), (False, True)))):
         for dtype, upcast in ((torch.float32, True), (torch.bfloat16, False)):
             blocks = ranking._block_sizes(n_rows, 100, on_gpu=True, upcast=upcast)
             q = torch.randn(n_rows, 100, generator=gen).to(dtype)
             w = torch.randn(1000, 100, generator=gen).to(dtype)
-            for bias in (torch.randn(1000, generator=gen).to(dtype), None):
+            targets = torch.zeros(n_rows, dtype=torch.long)
+            exclude = {
+                "exclude_items": torch.tensor([5, 900, 1, 130, 900, 600, 7]).repeat(n_rows),
+                "exclude_offsets": torch.arange(0, 7 * n_rows + 1, 7),
+            }
+            for with_bias, with_exclusions in variants:
+                bias = torch.randn(1000, generator=gen).to(dtype) if with_bias else None
                 record(
-                    f"rank/B={n_rows}/{dtype}/bias={bias is not None}",
+                    f"rank/B={n_rows}/{dtype}/bias={with_bias}/exclude={with_exclusions}",
                     lambda: ranking.target_rank_counts_triton(
-                        q, w, bias, torch.zeros(n_rows, dtype=torch.long), n_splits=4, block_sizes=blocks
+                        q, w, bias, targets, n_splits=4, block_sizes=blocks,
+                        **(exclude if with_exclusions else {}),
                     ),
-                    UPCAST=upcast, num_warps=ranking._num_warps(on_gpu=True, upcast=upcast),
-                )
+                    UPCAST=upcast,
+                    num_warps=ranking._num_warps(on_gpu=True, upcast=upcast, exclude=with_exclusions),
+                )  # fmt: skip
     # Optimizer: GRU4Rec's item table (d=100) and its bias column (d=1), with and without momentum.
     for width in (100, 1):
         for momentum in (0.2, 0.0):

@@ -6,6 +6,10 @@ infeasible for large catalogues, so the catalogue is streamed in chunks of
 ``chunk_size`` items and only per-row counts are kept. Turning counts into ranks
 (and choosing a tie policy) is left to :func:`recforge.metrics.ranks_from_counts`.
 
+Each row may exclude a jagged list of items (a sequential recommender's filtered history): they are
+dropped inside the tiled pass, so an excluded item is compared with nothing and memory stays
+``O(B * chunk_size)``.
+
 The code here is the PyTorch reference and the CPU path; ``impl="triton"`` selects the Triton twin
 in :mod:`recforge.kernels.target_rank_triton`, imported lazily so that this module needs only torch.
 """
@@ -17,7 +21,7 @@ from torch import Tensor
 
 from recforge.kernels.twin import TritonTwin
 
-__all__ = ["IMPLS", "target_rank_counts", "target_rank_counts_reference"]
+__all__ = ["IMPLS", "sorted_exclusions", "target_rank_counts", "target_rank_counts_reference"]
 
 #: Implementations accepted by :func:`target_rank_counts`.
 IMPLS: tuple[str, ...] = ("pytorch", "triton")
@@ -84,6 +88,81 @@ def _validate(
             raise ValueError(f"targets must lie in [0, {n_items}), got values in [{lo}, {hi}]")
 
 
+def _validate_exclusions(
+    exclude_items: Tensor | None, exclude_offsets: Tensor | None, n_rows: int, n_items: int, device
+) -> None:
+    if (exclude_items is None) != (exclude_offsets is None):
+        names = ("exclude_items", "exclude_offsets")
+        given, missing = names if exclude_offsets is None else names[::-1]
+        raise ValueError(f"{given} was given without {missing}: pass both or neither")
+    if exclude_items is None:
+        return
+    for name, t in (("exclude_items", exclude_items), ("exclude_offsets", exclude_offsets)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+        if t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device}, the queries on {device}: all inputs must be on one device"
+            )
+    if exclude_items.dim() != 1:
+        raise ValueError(f"exclude_items must be 1-D [E], got shape {tuple(exclude_items.shape)}")
+    if exclude_offsets.dim() != 1 or exclude_offsets.shape[0] != n_rows + 1:
+        raise ValueError(
+            f"exclude_offsets must be 1-D [B+1] with B={n_rows}, got shape {tuple(exclude_offsets.shape)}"
+        )
+    # A few host syncs per call; a bad offset or id would otherwise read another row's list or
+    # out of bounds in the kernel.
+    first, last = int(exclude_offsets[0]), int(exclude_offsets[-1])
+    if first != 0:
+        raise ValueError(f"exclude_offsets[0] must be 0, got {first}")
+    if last != exclude_items.shape[0]:
+        raise ValueError(
+            f"exclude_offsets[-1] must equal len(exclude_items)={exclude_items.shape[0]}, got {last}"
+        )
+    if n_rows > 0 and bool((exclude_offsets[1:] < exclude_offsets[:-1]).any()):
+        row = int((exclude_offsets[1:] < exclude_offsets[:-1]).nonzero()[0, 0])
+        raise ValueError(
+            f"exclude_offsets must be non-decreasing, got {int(exclude_offsets[row])} then "
+            f"{int(exclude_offsets[row + 1])} at positions {row}, {row + 1}"
+        )
+    if exclude_items.numel() > 0:
+        lo, hi = int(exclude_items.min()), int(exclude_items.max())
+        if lo < 0 or hi >= n_items:
+            raise ValueError(f"exclude_items must lie in [0, {n_items}), got values in [{lo}, {hi}]")
+
+
+def sorted_exclusions(
+    exclude_items: Tensor, exclude_offsets: Tensor, targets: Tensor, n_items: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Canonical form of validated jagged exclusion lists: per row sorted, deduplicated, target dropped.
+
+    Args:
+        exclude_items: ``[E]`` integer item ids in ``[0, n_items)``.
+        exclude_offsets: ``[B+1]`` integer, row ``b`` owns ``exclude_items[offsets[b]:offsets[b+1]]``.
+        targets: ``[B]`` integer; a row's own target is removed from its list (it is always ranked).
+
+    Returns:
+        ``(rows, items, offsets)``: ``rows`` and ``items`` ``[E']`` int64 ordered by (row, item) with
+        no repeated pair and no ``(b, targets[b])``, and ``offsets`` ``[B+1]`` int64 over them.
+    """
+    n_rows = targets.shape[0]
+    device = targets.device
+    items = exclude_items.long()
+    offsets = exclude_offsets.long()
+    rows = torch.repeat_interleave(
+        torch.arange(n_rows, device=device), offsets.diff(), output_size=items.shape[0]
+    )
+    keep = items != targets.long()[rows]
+    # one int64 key per pair: sorting it orders by row then item, and unique drops duplicates
+    # (B * N stays far below 2**63 for any catalogue that fits in memory)
+    keys = torch.unique(rows[keep] * n_items + items[keep], sorted=True)
+    rows = keys // n_items
+    items = keys - rows * n_items
+    offsets = torch.zeros(n_rows + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.bincount(rows, minlength=n_rows).cumsum(0)
+    return rows, items, offsets
+
+
 @torch.no_grad()
 def target_rank_counts(
     queries: Tensor,
@@ -92,10 +171,16 @@ def target_rank_counts(
     targets: Tensor,
     chunk_size: int = 8192,
     impl: str = "pytorch",
+    *,
+    exclude_items: Tensor | None = None,
+    exclude_offsets: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Count catalogue items scoring above / equal to each row's target.
 
     The score of item ``j`` for row ``i`` is ``queries[i] @ item_weights[j] (+ item_bias[j])``.
+    Row ``i`` may exclude items (``exclude_*``): they fall in neither count of that row, whatever
+    their score. A row's target is always ranked, even when its own list names it: it still
+    counts as its own tie (``n_equal >= 1``), only other items are dropped.
 
     Args:
         queries: ``[B, d]`` float32 / float64 / bf16 / fp16.
@@ -108,22 +193,32 @@ def target_rank_counts(
             tensors, or on CPU tensors under ``TRITON_INTERPRET=1``; otherwise (no Triton, CPU
             without the interpreter, float64 inputs) it falls back to ``"pytorch"`` with one
             warning per process.
+        exclude_items: ``[E]`` integer item ids in ``[0, N)``, the rows' exclusion lists end to
+            end (any order within a row; duplicates count once), or ``None``.
+        exclude_offsets: ``[B+1]`` integer, non-decreasing from 0 to ``E``: row ``i`` excludes
+            ``exclude_items[exclude_offsets[i]:exclude_offsets[i + 1]]``. Both or neither.
 
     Returns:
         ``(n_greater, n_equal)``, both ``[B]`` int64: items scoring strictly higher
         than the target, and items scoring exactly equal to it *including the
         target itself* (so ``n_equal >= 1``). Items whose score is NaN fall in
-        neither count.
+        neither count, and so do a row's excluded items other than its target.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
     _validate(queries, item_weights, item_bias, targets, chunk_size)
+    _validate_exclusions(
+        exclude_items, exclude_offsets, queries.shape[0], item_weights.shape[0], queries.device
+    )
 
     if impl == "triton":
         tensors = [queries, item_weights] + ([item_bias] if item_bias is not None else [])
         reason = TRITON.unusable_reason(*tensors)
         if reason is None:
-            return TRITON.module().target_rank_counts_triton(queries, item_weights, item_bias, targets)
+            return TRITON.module().target_rank_counts_triton(
+                queries, item_weights, item_bias, targets,
+                exclude_items=exclude_items, exclude_offsets=exclude_offsets,
+            )  # fmt: skip
         # past warn_fallback, this function and torch.no_grad's wrapper: the caller's line
         TRITON.warn_fallback("target_rank_counts", reason, stacklevel=3)
 
@@ -166,11 +261,24 @@ def target_rank_counts(
     n_greater = torch.zeros(n_rows, dtype=torch.int64, device=device)
     n_equal = torch.ones(n_rows, dtype=torch.int64, device=device)
     cols = torch.arange(min(chunk_size, max(n_items, 1)), device=device)
-    for start in starts:
+    if exclude_items is not None:
+        # Excluded pairs are dropped from each chunk's keep mask, next to the target's column, so
+        # the comparisons run on the very scores computed for the chunk (no separate scoring that
+        # could round differently); pairs ordered by item give each chunk a contiguous slice.
+        ex_rows, ex_items, _ = sorted_exclusions(exclude_items, exclude_offsets, targets, n_items)
+        order = torch.argsort(ex_items, stable=True)
+        ex_rows, ex_items = ex_rows[order], ex_items[order]
+        bounds = torch.searchsorted(
+            ex_items, torch.tensor([*starts, n_items], dtype=torch.int64, device=device)
+        ).tolist()  # [n_chunks + 1], one host sync
+    for k, start in enumerate(starts):
         stop = min(start + chunk_size, n_items)
         scores = cached if cached is not None else chunk_scores(start, stop)
         is_target = cols[: stop - start].unsqueeze(0) == (targets - start).unsqueeze(1)  # [B, C]
         keep = ~is_target
+        if exclude_items is not None and bounds[k + 1] > bounds[k]:
+            pairs = slice(bounds[k], bounds[k + 1])
+            keep[ex_rows[pairs], ex_items[pairs] - start] = False
         n_greater += ((scores > threshold) & keep).sum(dim=1)
         n_equal += ((scores == threshold) & keep).sum(dim=1)
 

@@ -6,6 +6,10 @@ with the rows' target scores and keeps only two int32 counters per row, so no ``
 matrix ever exists. When the catalogue is split across programs (to fill the GPU when ``B`` is
 small) each split writes its own partial counts and the host sums them: deterministic, no atomics.
 
+Per-row exclusion lists are applied inside the tile loop: the host sorts each row's list, and each
+program walks its rows' lists alongside its tiles, turning an excluded pair's score into NaN (which
+fails both comparisons) before the tile is counted.
+
 This module imports triton at import time; :mod:`recforge.kernels.target_rank` imports it lazily
 and falls back to the PyTorch path when that fails.
 """
@@ -16,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from recforge.kernels.target_rank import sorted_exclusions
 
 __all__ = ["KERNEL_DTYPES", "interpreted", "target_rank_counts_triton"]
 
@@ -80,6 +86,9 @@ def _target_rank_kernel(
     w_ptr,
     b_ptr,
     t_ptr,
+    ex_items_ptr,
+    ex_start_ptr,
+    ex_end_ptr,
     greater_ptr,
     equal_ptr,
     B,
@@ -91,6 +100,7 @@ def _target_rank_kernel(
     stride_wn,
     stride_wd,
     HAS_BIAS: tl.constexpr,
+    HAS_EXCLUDE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -118,6 +128,12 @@ def _target_rank_kernel(
     n_greater = tl.zeros((BLOCK_B,), dtype=tl.int32)
     n_equal = tl.zeros((BLOCK_B,), dtype=tl.int32)
     first_item = split * tiles_per_split * BLOCK_N
+    if HAS_EXCLUDE:
+        # Each row's exclusion ids are sorted; ex_pos is the row's next one at or past this split's
+        # first item (found on the host), ex_next its id (-1 once the list is spent: never an item).
+        ex_pos = tl.load(ex_start_ptr + split * B + rows, mask=row_mask, other=0)
+        ex_end = tl.load(ex_end_ptr + rows, mask=row_mask, other=0)
+        ex_next = tl.load(ex_items_ptr + ex_pos, mask=ex_pos < ex_end, other=-1)
     for t in range(0, tiles_per_split):
         items = first_item + t * BLOCK_N + cols
         item_mask = items < N
@@ -126,6 +142,23 @@ def _target_rank_kernel(
             stride_qb, stride_qd, stride_wn, stride_wd,
             HAS_BIAS, UPCAST, BLOCK_B, BLOCK_N, BLOCK_D,
         )  # fmt: skip
+        if HAS_EXCLUDE:
+            # Masking inside the tile: an excluded pair's score becomes NaN, which fails both
+            # comparisons below. It is exact by construction, whereas subtracting the excluded
+            # items' counts afterwards would need their scores computed apart, bit-for-bit like
+            # this dot (else a tie is split or made). Each step takes every row's next excluded id
+            # inside this tile, so the steps per tile are the most any row excludes in it (usually
+            # 0 or 1), each a compare-select far cheaper than the dot. Register cost, measured by
+            # tests/gpu_aot_compile.py: NaN-starting the accumulator before the d-loop, or picking
+            # the excluded scores out of the tile to subtract, spilled more than this on sm_80.
+            tile_end = first_item + (t + 1) * BLOCK_N
+            hit = (ex_next >= 0) & (ex_next < tile_end)
+            while tl.max(hit.to(tl.int32), axis=0) > 0:
+                excluded = tl.where(hit, ex_next, -1)  # -1 matches no item
+                scores = tl.where(items[None, :] == excluded[:, None], float("nan"), scores)
+                ex_pos += hit.to(tl.int64)
+                ex_next = tl.load(ex_items_ptr + ex_pos, mask=ex_pos < ex_end, other=-1)
+                hit = (ex_next >= 0) & (ex_next < tile_end)
         # The target's own column is skipped (it is counted as one tie on the host), so rounding
         # can never rank the target against itself. NaN scores fail both comparisons.
         keep = item_mask[None, :] & (items[None, :] != targets[:, None])
@@ -156,8 +189,11 @@ def _block_sizes(n_rows: int, dim: int, on_gpu: bool, upcast: bool = False) -> t
     return block_b, 128, block_d
 
 
-def _num_warps(on_gpu: bool, upcast: bool) -> int:
-    return 8 if on_gpu and upcast else 4
+def _num_warps(on_gpu: bool, upcast: bool, exclude: bool = False) -> int:
+    # Half tiles with exclusions spilled 72 bytes per thread at 4 warps (sm_80, 64 x 128 tiles, see
+    # tests/gpu_aot_compile.py), the plain kernel already 40-56; 8 warps halve each thread's share
+    # of the tiles and bring it to none. The launch without exclusions is left as it was.
+    return 8 if on_gpu and (upcast or exclude) else 4
 
 
 def target_rank_counts_triton(
@@ -166,12 +202,17 @@ def target_rank_counts_triton(
     item_bias: Tensor | None,
     targets: Tensor,
     *,
+    exclude_items: Tensor | None = None,
+    exclude_offsets: Tensor | None = None,
     n_splits: int | None = None,
     block_sizes: tuple[int, int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the kernel on already validated inputs (see ``target_rank_counts``).
 
     Args:
+        queries, item_weights, item_bias, targets: ``[B, d]``, ``[N, d]``, ``[N]`` or None, ``[B]``.
+        exclude_items, exclude_offsets: ``[E]`` and ``[B+1]`` jagged exclusion lists (any order,
+            duplicates allowed), or both None.
         n_splits: programs sharing one row block's catalogue (``None``: enough to fill the GPU).
         block_sizes: ``(BLOCK_B, BLOCK_N, BLOCK_D)`` override, for tests and tuning.
 
@@ -216,12 +257,29 @@ def target_rank_counts_triton(
     equal = torch.empty((n_splits, n_rows), dtype=torch.int32, device=device)
     # the bias is read with unit stride; without one, any pointer will do (HAS_BIAS skips it)
     bias = item_bias.contiguous() if item_bias is not None else item_weights
+    has_exclude = False
+    if exclude_items is not None:
+        lists = sorted_exclusions(exclude_items, exclude_offsets, targets, n_items)
+        ex_rows, ex_items, ex_offsets = lists
+        has_exclude = ex_items.numel() > 0  # lists holding only targets or nothing change nothing
+    if has_exclude:
+        # where each (split, row) starts in its row's sorted list: the first id at or past the
+        # split's first item, i.e. the number of (row, item) keys below (row, first item)
+        split_first = torch.arange(n_splits, device=device) * (tiles_per_split * block_n)
+        row_keys = torch.arange(n_rows, device=device) * n_items
+        ex_start = torch.searchsorted(
+            ex_rows * n_items + ex_items, (split_first[:, None] + row_keys[None, :]).reshape(-1)
+        )  # [n_splits * B]
+        ex_end = ex_offsets[1:].contiguous()
+    else:  # the kernel never reads these three: any int64 pointer will do
+        ex_items = ex_start = ex_end = targets
     _target_rank_kernel[(row_blocks, n_splits)](
-        queries, item_weights, bias, targets, greater, equal,
+        queries, item_weights, bias, targets, ex_items, ex_start, ex_end, greater, equal,
         n_rows, n_items, dim, tiles_per_split,
         queries.stride(0), queries.stride(1), item_weights.stride(0), item_weights.stride(1),
-        HAS_BIAS=item_bias is not None, UPCAST=upcast,
-        BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=_num_warps(on_gpu, upcast),
+        HAS_BIAS=item_bias is not None, HAS_EXCLUDE=has_exclude, UPCAST=upcast,
+        BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=_num_warps(on_gpu, upcast, has_exclude),
     )  # fmt: skip
     n_greater = greater.sum(dim=0, dtype=torch.int64)
     n_equal = equal.sum(dim=0, dtype=torch.int64) + 1
