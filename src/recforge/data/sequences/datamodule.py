@@ -1,0 +1,287 @@
+"""LightningDataModule for user histories: jagged :class:`HistoryBatch` es for SASRec / HSTU."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from recforge.config_values import Range
+from recforge.data.batches import HistoryBatch
+from recforge.data.sequences.prepared import Histories, load_prepared
+from recforge.data.sequences.splits import (
+    EXCLUDE_POLICIES,
+    MIN_EVENTS,
+    PROTOCOLS,
+    HistoryRows,
+    RowDataset,
+    concat_ranges,
+    protocol_splits,
+)
+from recforge.errors import UserInputError
+
+__all__ = ["HistoryDataModule", "SyntheticHistoryDataModule"]
+
+log = logging.getLogger(__name__)
+
+
+class _EvalShard(DistributedSampler):
+    """Every ``world``-th row from ``rank``, in order, without the padding DistributedSampler adds
+    (a padded row would be counted twice in the metrics). Being a DistributedSampler, Lightning
+    keeps it instead of injecting its own."""
+
+    def __init__(self, dataset: RowDataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self._rows = range(rank, len(dataset), num_replicas)
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class HistoryDataModule(L.LightningDataModule):
+    """User histories from a prepared directory (:mod:`recforge.data.sequences.prepared`).
+
+    Given ``ratings_path`` (and ``dataset``), the raw ratings (plus ``items_path``, the movies
+    file whose ids complete the catalogue) are preprocessed once into ``prepared_dir`` and reused
+    while inputs and parameters (``preprocess``) are unchanged; given ``prepared_dir`` alone, it
+    must already be prepared.
+
+    ``protocol`` cuts users into splits (:mod:`recforge.data.sequences.splits`): ``loo`` has
+    train, validation and test; ``reference`` train and test only. Users with too few events for
+    it are dropped (the log says how many). Histories keep their ``max_seq_len`` most recent
+    items. Evaluation batches carry the items never ranked for each row, per ``exclude``:
+    ``history`` (the truncated history the model sees, the reference's choice), ``all_seen``
+    (every item before the target) or ``none``.
+
+    Training shuffles users each epoch from a generator seeded by Lightning's seed
+    (``PL_GLOBAL_SEED``); under DDP Lightning swaps in its distributed sampler (same seed, set per
+    epoch), so each rank trains on its own share of users. Evaluation rows are split between
+    ranks without repeats. ``item_popularity`` counts the training split's events only.
+    """
+
+    batch_type = HistoryBatch
+
+    def __init__(
+        self,
+        prepared_dir: str | None = None,
+        ratings_path: str | None = None,
+        items_path: str | None = None,
+        dataset: Literal["ml-1m", "ml-20m", "amzn-books"] | None = None,
+        preprocess: dict | None = None,
+        protocol: Literal["loo", "reference"] = "loo",
+        max_seq_len: Annotated[int, Range(ge=1)] = 200,
+        batch_size: Annotated[int, Range(ge=1)] = 128,
+        eval_batch_size: Annotated[int, Range(ge=1)] = 512,
+        num_workers: Annotated[int, Range(ge=0)] = 0,
+        exclude: Literal["history", "all_seen", "none"] = "history",
+    ) -> None:
+        super().__init__()
+        if protocol not in PROTOCOLS:
+            raise UserInputError(f"data.protocol={protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+        if exclude not in EXCLUDE_POLICIES:
+            raise UserInputError(
+                f"data.exclude={exclude!r}: expected one of {', '.join(EXCLUDE_POLICIES)}"
+            )
+        for key, value, low in (("max_seq_len", max_seq_len, 1), ("batch_size", batch_size, 1),
+                                ("eval_batch_size", eval_batch_size, 1),
+                                ("num_workers", num_workers, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UserInputError(f"data.{key}={value!r}: expected an integer >= {low}")
+        if prepared_dir is None:
+            raise UserInputError(
+                "data.prepared_dir is not set: point it at a prepared directory, or set it with "
+                "data.ratings_path (and data.dataset) to prepare the raw ratings there"
+            )
+        if ratings_path is not None:
+            self._prepare(dataset, ratings_path, items_path, prepared_dir, preprocess or {})
+        elif items_path is not None:
+            raise UserInputError("data.items_path needs data.ratings_path (the ratings file)")
+        self.prepared_dir = str(prepared_dir)
+        self.protocol = protocol
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.exclude = exclude
+        self._histories: Histories | None = None
+        self._splits: dict[str, HistoryRows] | None = None
+        self._popularity: np.ndarray | None = None
+        self._checkpoint_state: dict | None = None
+
+    @staticmethod
+    def _prepare(dataset, ratings_path, items_path, prepared_dir, overrides) -> None:
+        from recforge.data.sequences.preprocess import RatingsDataError, prepare
+
+        if dataset is None:
+            raise UserInputError("data.ratings_path needs data.dataset (ml-1m, ml-20m, amzn-books)")
+        raw = [ratings_path] + ([items_path] if items_path is not None else [])
+        try:
+            prepare(dataset, raw, prepared_dir, **overrides)
+        except RatingsDataError as error:
+            key = "items_path" if items_path is not None and error.path == Path(items_path) \
+                else "ratings_path"
+            raise RatingsDataError(f"data.{key}: {error}", path=error.path, line=error.line,
+                                   field=error.field, detail=error.detail) from error
+        except UserInputError as error:
+            raise UserInputError(f"data.preprocess: {error}") from error
+
+    # ---------------------------------------------------------------- data
+    @property
+    def histories(self) -> Histories:
+        if self._histories is None:
+            self._histories = load_prepared(self.prepared_dir, "data.prepared_dir")
+            self._check_item_map()
+        return self._histories
+
+    @property
+    def n_items(self) -> int:
+        return self.histories.n_items
+
+    @property
+    def has_validation(self) -> bool:
+        return self.protocol == "loo"
+
+    @property
+    def splits(self) -> dict[str, HistoryRows]:
+        if self._splits is None:
+            histories = self.histories
+            splits, dropped = protocol_splits(histories, self.protocol)
+            need = MIN_EVENTS[self.protocol]
+            if len(splits["test"]) == 0:
+                longest = int(histories.lengths.max()) if histories.n_users else 0
+                raise UserInputError(
+                    f"data.prepared_dir={self.prepared_dir}: no user has the {need} events "
+                    f"data.protocol={self.protocol} needs ({histories.n_users} users, the longest "
+                    f"history has {longest})"
+                )
+            if dropped:
+                log.info("protocol %s: %d of %d users dropped (fewer than %d events)",
+                         self.protocol, dropped, histories.n_users, need)
+            log.info("protocol %s: %s rows", self.protocol,
+                     ", ".join(f"{name} {len(rows)}" for name, rows in splits.items()))
+            self._splits = splits
+        return self._splits
+
+    @property
+    def item_popularity(self) -> np.ndarray:
+        """Events per item in the training split (history and target), never the held-out ones."""
+        if self._popularity is None:
+            rows = self.splits["train"]
+            seen = self.histories.items[concat_ranges(rows.starts, rows.targets + 1 - rows.starts)]
+            self._popularity = np.bincount(seen, minlength=self.n_items).astype(np.int64)
+        return self._popularity
+
+    def task_inputs(self) -> dict:
+        """What a task takes from the data: catalogue size, popularity, history length."""
+        return {
+            "n_items": self.n_items,
+            "item_popularity": self.item_popularity,
+            "max_seq_len": self.max_seq_len,
+        }
+
+    def dataset(self, split: str) -> RowDataset:
+        """The rows of ``split`` (train, val, test) as a dataset."""
+        if split not in self.splits:
+            raise UserInputError(f"data.protocol={self.protocol} has no {split!r} split")
+        exclude = None if split == "train" else self.exclude
+        return RowDataset(self.histories, self.splits[split], self.max_seq_len, exclude)
+
+    def setup(self, stage: str | None = None) -> None:
+        self.splits  # noqa: B018 - reads the prepared data and cuts the splits now
+
+    # ---------------------------------------------------------------- loaders
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def _loader(self, dataset: RowDataset, **kwargs) -> DataLoader:
+        workers = self.num_workers
+        return DataLoader(
+            dataset,
+            collate_fn=dataset.collate,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator()
+        generator.manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        return self._loader(
+            self.dataset("train"), batch_size=self.batch_size, shuffle=True, generator=generator
+        )
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        dataset = self.dataset(split)
+        rank, world = self._rank()
+        return self._loader(
+            dataset, batch_size=self.eval_batch_size, sampler=_EvalShard(dataset, world, rank)
+        )
+
+    def val_dataloader(self):
+        if not self.has_validation:
+            return []
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """The catalogue travels with the checkpoint so evaluation can check it ranks the same
+        items."""
+        ids = self.histories.item_ids
+        digest = hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()
+        return {"n_items": len(ids), "item_map_sha256": digest}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._checkpoint_state = dict(state_dict)
+        if self._histories is None:
+            self.histories  # noqa: B018 - loading runs the check
+        else:
+            self._check_item_map()
+
+    def _check_item_map(self) -> None:
+        state = self._checkpoint_state
+        if state is None or self._histories is None:
+            return
+        mine = self.state_dict()
+        if mine != state:
+            raise UserInputError(
+                f"the checkpoint was trained on another catalogue ({state['n_items']} items, "
+                f"sha256 {state['item_map_sha256'][:12]}) than data.prepared_dir="
+                f"{self.prepared_dir} holds ({mine['n_items']} items, sha256 "
+                f"{mine['item_map_sha256'][:12]}): point data.prepared_dir at that run's data"
+            )
+
+
+class SyntheticHistoryDataModule(HistoryDataModule):
+    """Histories drawn from a learnable synthetic generator, written once under ``cache_dir``
+    (one directory per generator configuration)."""
+
+    def __init__(self, cache_dir: str, generator: dict | None = None, **kwargs) -> None:
+        from recforge.data.sequences.synthetic import (
+            SyntheticHistoriesConfig,
+            write_synthetic_histories,
+        )
+
+        try:
+            self.generator = SyntheticHistoriesConfig(**(generator or {}))
+        except (TypeError, ValueError) as error:
+            raise UserInputError(f"data.generator: {error}") from error
+        path = write_synthetic_histories(self.generator, Path(cache_dir))
+        kwargs.setdefault("prepared_dir", str(path))
+        super().__init__(**kwargs)
+        log.info("synthetic histories %s in %s", asdict(self.generator), path)
