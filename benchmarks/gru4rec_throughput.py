@@ -376,7 +376,7 @@ def bare_train(task, dm, optimizer, lead: int, steps: int) -> tuple[int, int, fl
             _synchronize()
             t0 = time.perf_counter()
         # the task optimises manually inside training_step; without a Trainer, do it here
-        loss = task._train_loss(batch, task._train_hidden)
+        loss = task.train_loss(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -406,10 +406,9 @@ def bare_eval(task, dm, max_batches: int) -> tuple[int, int, float]:
             task.test_step(batch.to(task.device, non_blocking=True), i)
             events += batch.size
             batches += 1
-        task.test_metrics.compute()  # what on_test_epoch_end does, minus the logging
+        task.evaluation.compute_and_reset("test")  # what on_test_epoch_end does, minus the logging
     _synchronize()
     seconds = time.perf_counter() - t0
-    task.test_metrics.reset()
     task.train()
     return events, batches, seconds
 

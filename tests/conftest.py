@@ -32,23 +32,39 @@ def shared_data_dir() -> Path:
 
 
 # ---------------------------------------------------------------- composed configs
-# The real config (conf/) with a cheap test profile: tiny synthetic data, CPU, few batches, no
-# progress bar, output under pytest's tmp_path.
+# The real config (conf/) with a cheap test profile: CPU, one epoch, no progress bar, output under
+# pytest's tmp_path; and test sizes for keys that only some configs have (a generated dataset, a
+# model width, a sampler store), applied only where the composed config has the key, so that
+# every model family composes with the same fixture.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
-TINY_DATA = [
-    "data.generator.n_items=300",
-    "data.generator.n_sessions=3000",
-    "data.batch_size=32",
-    "data.eval_batch_size=256",
-]
 CHEAP = [
     "trainer.max_epochs=1",
     "callbacks.progress_bar.refresh_rate=0",
     "trainer.enable_model_summary=false",
+]
+SHRINK = [
+    "data.generator.n_items=300",
+    "data.generator.n_sessions=3000",
+    "data.generator.n_users=300",
+    "data.batch_size=32",
+    "data.eval_batch_size=256",
     "model.hidden_size=32",
     "task.sample_store_size=100000",
 ]
+
+
+def shrinks_for(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The SHRINK items whose key ``cfg`` has and ``overrides`` do not set."""
+    from omegaconf import OmegaConf
+
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    out = []
+    for item in SHRINK:
+        key = item.split("=", 1)[0]
+        if key not in given and OmegaConf.select(cfg, key, default=None, throw_on_missing=False) is not None:
+            out.append(item)
+    return out
 
 
 def compose_config(
@@ -87,16 +103,14 @@ def make_cfg(tmp_path, data_dir):
     from hydra.core.global_hydra import GlobalHydra
 
     def _make(*overrides: str, name: str = "train", run: str = "run"):
-        base = TINY_DATA + CHEAP if name == "train" else []
+        base = list(CHEAP) if name == "train" else []
         if any(o.startswith(("debug=", "callbacks=")) for o in overrides):
             base = [o for o in base if not o.startswith("callbacks.")]
-        if name == "train":
-            # shrink the generated dataset only where the composed data config generates one
-            probe = [o for o in base if not o.startswith("data.generator.")]
-            cfg = compose_config(name, [*probe, *overrides], tmp_path / run, data_dir)
-            if "generator" not in cfg.data:
-                return cfg
-        return compose_config(name, [*base, *overrides], tmp_path / run, data_dir)
+        cfg = compose_config(name, [*base, *overrides], tmp_path / run, data_dir)
+        if name != "train":
+            return cfg
+        shrink = shrinks_for(cfg, list(overrides))
+        return compose_config(name, [*base, *shrink, *overrides], tmp_path / run, data_dir) if shrink else cfg
 
     yield _make
     GlobalHydra.instance().clear()

@@ -1,13 +1,13 @@
 """Every declared-valid config combination composes and builds; invalid ones fail clearly."""
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hydra.utils import instantiate
+import yaml
+from hydra.utils import get_class, instantiate
 
 from conftest import CONF_DIR, REPO_ROOT
 from recforge.config_checks import IncompatibleConfigError, check_combination
@@ -16,72 +16,116 @@ from recforge.data.synthetic import SyntheticSessionsConfig, generate_sessions, 
 from recforge.pipeline import build
 
 
-
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-# What is declared to work: GRU4Rec on every session dataset with every next-item loss; the CTR
-# loss (bce) must be refused.
-SESSION_DATA = ["synthetic", "rsc15", "yoochoose", "retailrocket", "diginetica", "coveo", "rees46"]
-CTR_LOSSES = ["bce"]
-VALID = {
-    (data, "gru4rec", loss)
-    for data in SESSION_DATA
-    for loss in _options("loss")
-    if loss not in CTR_LOSSES
+def _target(group: str, option: str) -> type:
+    node = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text())
+    return get_class(node["_target_"])
+
+
+def _task(model: str) -> type:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return get_class(compose("train", overrides=[f"model={model}"]).task._target_)
+
+
+def accepted(model: str, group: str) -> list[str]:
+    """The options of ``group`` a model's task declares it accepts (contracts, not a list here)."""
+    task = _task(model)
+    fits = {
+        "data": lambda cls: getattr(cls, "batch_type", None) is task.batch_type,
+        "loss": lambda cls: getattr(cls, "consumes", None) == task.produces,
+        "evaluation": lambda cls: getattr(cls, "kind", None) == task.evaluation_kind,
+    }[group]
+    return [o for o in _options(group) if fits(_target(group, o))]
+
+
+# An independent statement of what each family is meant to accept: the declarations above must
+# produce exactly this (a new family adds a line here and its configs, nothing else).
+EXPECTED = {
+    ("gru4rec", "data"): ["coveo", "diginetica", "rees46", "retailrocket", "rsc15", "synthetic", "yoochoose"],
+    ("gru4rec", "loss"): ["bpr", "bprmax", "top1", "top1max", "xe"],
+    ("sasrec", "data"): ["amzn-books", "ml-1m", "ml-20m", "synthetic_histories"],
+    ("sasrec", "loss"): ["full_softmax", "sampled_softmax"],
 }
+MODELS = _options("model")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_each_model_declares_what_it_accepts(model):
+    for group in ("data", "loss"):
+        assert accepted(model, group) == EXPECTED[(model, group)], group
+    assert accepted(model, "evaluation"), "no evaluation fits the model's task"
+    model_cls = _target("model", model)
+    for contract in model_cls.implements:  # the declaration is a promise an instance keeps
+        assert isinstance(model_cls(n_items=5), contract), contract
 
 
 @pytest.fixture(scope="module")
-def session_files(tmp_path_factory) -> dict[str, Path]:
-    """Tiny prepared files in the GRU4Rec text format, for the file-based data configs."""
+def data_files(tmp_path_factory) -> dict[str, Path]:
+    """Tiny inputs for the file-based data configs: GRU4Rec text files, a prepared histories dir."""
+    from recforge.data.sequences.synthetic import SyntheticHistoriesConfig, write_synthetic_histories
+
     root = tmp_path_factory.mktemp("prepared")
     frame = generate_sessions(SyntheticSessionsConfig(n_items=50, n_sessions=300, seed=3))
     train, test = split_by_time(frame, 2)
     paths = {"train": root / "train.txt", "test": root / "test.txt"}
     write_session_file(train, paths["train"])
     write_session_file(test, paths["test"])
+    histories = SyntheticHistoriesConfig(n_users=60, n_items=40, min_length=5, max_length=20)
+    paths["histories"] = write_synthetic_histories(histories, root / "histories")
     return paths
 
 
 def _data_overrides(data: str, files: dict[str, Path]) -> list[str]:
-    if data == "synthetic":
+    """What a data option needs on top of its config: nothing when it generates its data."""
+    if "generator" in yaml.safe_load((CONF_DIR / "data" / f"{data}.yaml").read_text()):
         return []
+    if _target("data", data).batch_type.__name__ == "HistoryBatch":
+        return [f"data.prepared_dir={files['histories']}"]
     return [f"data.train_path={files['train']}", f"data.test_path={files['test']}"]
 
 
-COMBINATIONS = list(itertools.product(_options("data"), _options("model"), _options("loss")))
+# Linear in the options: each model with each data option (its default loss) and each loss
+# option (its default data), not the data x model x loss product.
+CASES = [(m, g, o) for m in MODELS for g in ("data", "loss") for o in _options(g)]
 
 
-def test_the_declared_combinations_exist():
-    assert VALID <= set(COMBINATIONS)
-
-
-@pytest.mark.parametrize("data,model,loss", COMBINATIONS)
-def test_combination_builds_or_fails_clearly(data, model, loss, make_cfg, session_files):
-    cfg = make_cfg(f"data={data}", f"model={model}", f"loss={loss}", *_data_overrides(data, session_files))
-    choices = {"data": data, "model": model, "loss": loss}
-    if (data, model, loss) in VALID:
+@pytest.mark.parametrize("model,group,option", CASES)
+def test_option_builds_with_the_model_or_fails_clearly(model, group, option, make_cfg, data_files):
+    # the loss cases run on the model's default data, which every model generates
+    overrides = [f"model={model}", f"{group}={option}"]
+    cfg = make_cfg(*overrides, *(_data_overrides(option, data_files) if group == "data" else []))
+    choices = {"model": model, group: option}
+    if option in EXPECTED[(model, group)]:
         check_combination(cfg, CONF_DIR, choices)
         datamodule, task = build(cfg)
-        trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
-        assert trainer is not None
-        assert task.model.n_items == datamodule.catalog.n_items
+        assert task.model is not None and datamodule.task_inputs()["n_items"] > 0
     else:
         with pytest.raises(IncompatibleConfigError) as err:
             check_combination(cfg, CONF_DIR, choices)
         message = str(err.value)
         assert "\n" not in message
-        assert f"model={model}" in message and (f"loss={loss}" in message or f"data={data}" in message)
-        assert "options for" in message
+        assert message.startswith(f"model={model} with {group}={option}: ")
+        assert message.endswith(f"{group} options for model={model}: {', '.join(EXPECTED[(model, group)])}")
 
 
 def test_ctr_loss_on_next_item_model_names_the_allowed_losses(make_cfg):
     cfg = make_cfg("loss=bce")
-    allowed = ", ".join(loss for loss in _options("loss") if loss not in CTR_LOSSES)
+    allowed = ", ".join(EXPECTED[("gru4rec", "loss")])
     with pytest.raises(IncompatibleConfigError, match=rf"loss options for model=gru4rec: {allowed}$"):
         check_combination(cfg, CONF_DIR, {"model": "gru4rec", "loss": "bce"})
+
+
+def test_a_task_that_cannot_drive_the_model_names_the_tasks_that_can(make_cfg):
+    cfg = make_cfg("model=sasrec", "task=session_next_item")
+    with pytest.raises(IncompatibleConfigError, match=r"^model=sasrec with task=session_next_item: the task "
+                       r"drives a SessionModel but the model implements SequenceModel; task options for "
+                       r"model=sasrec: sequential_retrieval$"):
+        check_combination(cfg, CONF_DIR, {"model": "sasrec", "task": "session_next_item"})
 
 
 def test_invalid_combination_fails_at_start_in_one_line(tmp_path):
@@ -92,8 +136,8 @@ def test_invalid_combination_fails_at_start_in_one_line(tmp_path):
     )
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    allowed = ", ".join(loss for loss in _options("loss") if loss not in CTR_LOSSES)
-    assert last.startswith("recforge: model=gru4rec with loss=bce") and last.endswith(allowed)
+    assert last.startswith("recforge: model=gru4rec with loss=bce")
+    assert last.endswith(", ".join(EXPECTED[("gru4rec", "loss")]))
     assert "Traceback" not in done.stderr
 
 
@@ -127,18 +171,21 @@ def OmegaConf_select(cfg, key):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", _options("experiment"))
-def test_every_experiment_runs_a_few_batches(experiment, make_cfg, session_files):
+def test_every_experiment_runs_a_few_batches(experiment, make_cfg, data_files):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
     from recforge.pipeline import train
 
-    from hydra import compose, initialize_config_dir
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        data = compose("train", overrides=[f"experiment={experiment}"]).data
-    extra = [] if "generator" in data else _data_overrides("rsc15", session_files)
+        probe = compose("train", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    data = probe.hydra.runtime.choices.data
     # tiny widths keep the 512-unit presets cheap; everything else is the preset's own
-    cfg = make_cfg(f"experiment={experiment}", "trainer.fast_dev_run=3", "model.hidden_size=16", *extra)
+    narrow = ["model.hidden_size=16"] if OmegaConf.select(probe, "model.hidden_size") else []
+    cfg = make_cfg(f"experiment={experiment}", "trainer.fast_dev_run=3", *narrow,
+                   *_data_overrides(data, data_files))
     metrics = train(cfg)
-    assert "test/recall@20" in metrics
+    assert cfg.evaluation.monitor.replace("val/", "test/") in metrics
 
 
 @pytest.mark.slow

@@ -102,16 +102,15 @@ def test_one_epoch_retraces_the_official_implementation(reference, shared_data_d
     # fewer than two sessions remain: 10,122 of the 10,152 targets. Replaying exactly that must
     # give exactly its numbers; recforge's own protocol scores every target.
     from recforge.data.sessions.datasets import SessionParallelSteps
-    from recforge.metrics import RankingMetrics
 
     test = datamodule.split("test")
     replay = SessionParallelSteps(test, test.order, 512, min_rows=2)
-    metrics = RankingMetrics(ks=(1, 5, 10, 20), metrics=("recall", "mrr"), ties="conservative")
     task.eval()
-    task._eval_hidden = None
+    task.on_test_epoch_start()
     with torch.no_grad():
-        for batch in replay:
-            task._rank_targets(batch, metrics)
+        for i, batch in enumerate(replay):
+            task.test_step(batch, i)
+    metrics = task.evaluation.splits["test"]
     values = metrics.compute()
     assert int(metrics.n_events) == 10122
     for i, k in enumerate((1, 5, 10, 20)):
@@ -203,7 +202,8 @@ def test_bprmax_epoch_with_sampled_negatives_retraces_the_official_implementatio
             init = reference_compat_init(n_items, 100)[theirs]
             task.model.get_parameter(mine).copy_(torch.from_numpy(init))
     # The task draws its negatives from its sampler; the official code's store replaces it.
-    task._sampler = replay = ReplayedNegatives(n_items, 2048)
+    replay = ReplayedNegatives(n_items, 2048)
+    task.register_lazy("negative_sampler", lambda: replay)
 
     recorder = LossRecorder()
     trainer = L.Trainer(

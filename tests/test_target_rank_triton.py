@@ -215,46 +215,47 @@ def test_unknown_impl_is_rejected() -> None:
 
 def test_evaluation_kernel_config_reaches_the_kernel(make_cfg, launches) -> None:
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
     from recforge.data.batches import SessionStep
-    from recforge.metrics import RankingMetrics
 
     n_items, n_rows = 40, 12
     cfg = make_cfg("evaluation.kernel=triton", "model.hidden_size=24")
     assert cfg.evaluation.kernel == "triton"
-    task = instantiate(
-        cfg.task,
-        _convert_="all",
-        model=instantiate(cfg.model),
-        loss=instantiate(cfg.loss),
-        optimizer=instantiate(cfg.optimizer),
-        n_items=n_items,
-        item_popularity=np.ones(n_items, dtype=np.int64),
-        evaluation=OmegaConf.to_container(cfg.evaluation, resolve=True),
-    ).eval()
-    task.to(DEVICE)  # a GPU machine runs the compiled kernel, which needs CUDA tensors
-    assert task.rank_kernel == "triton"
+
+    def build_task(evaluation):
+        return instantiate(
+            cfg.task,
+            _convert_="all",
+            model=instantiate(cfg.model),
+            loss=instantiate(cfg.loss),
+            optimizer=instantiate(cfg.optimizer),
+            evaluation=evaluation,
+            n_items=n_items,
+            item_popularity=np.ones(n_items, dtype=np.int64),
+        ).eval().to(DEVICE)  # a GPU machine runs the compiled kernel, which needs CUDA tensors
+
+    torch.manual_seed(0)
+    task = build_task(instantiate(cfg.evaluation))
+    assert task.evaluation.kernel == "triton"
     gen = torch.Generator().manual_seed(0)
     batch = SessionStep(
         inputs=torch.randint(0, n_items, (n_rows,), generator=gen).to(DEVICE),
         targets=torch.randint(0, n_items, (n_rows,), generator=gen).to(DEVICE),
         reset=torch.ones(n_rows, dtype=torch.bool, device=DEVICE),
     )
+    task.on_validation_epoch_start()
     with torch.no_grad():
-        task._rank_targets(batch, task.val_metrics)
+        task.validation_step(batch, 0)
     assert launches == [torch.Size([n_rows, 24])]
 
-    # the same step through the PyTorch path gives the same metrics
-    task.rank_kernel = "pytorch"
-    task._eval_hidden = None
-    protocol = OmegaConf.to_container(cfg.evaluation, resolve=True)
-    reference = RankingMetrics(**{k: v for k, v in protocol.items() if k not in ("chunk_size", "kernel")})
-    reference.to(DEVICE)
+    # the same weights and step through the PyTorch path give the same metrics
+    reference = build_task(instantiate(cfg.evaluation, kernel="pytorch"))
+    reference.load_state_dict(task.state_dict())
+    reference.on_validation_epoch_start()
     with torch.no_grad():
-        task._rank_targets(batch, reference)
+        reference.validation_step(batch, 0)
     assert len(launches) == 1
-    got, want = task.val_metrics.compute(), reference.compute()
+    got, want = task.evaluation.splits["val"].compute(), reference.evaluation.splits["val"].compute()
     assert got.keys() == want.keys()
     for key in want:
         assert got[key].item() == pytest.approx(want[key].item(), abs=1e-12), key

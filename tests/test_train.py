@@ -146,11 +146,11 @@ def _rank_failures(stderr: str) -> str:
 
 def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     """hardware=ddp_cpu as a user runs it: Lightning relaunches src/train.py for rank 1."""
-    from conftest import CHEAP, REPO_ROOT, TINY_DATA
+    from conftest import CHEAP, REPO_ROOT, SHRINK
 
     log_dir = tmp_path / "ddp"
     cmd = [
-        sys.executable, "src/train.py", "hardware=ddp_cpu", *TINY_DATA, *CHEAP,
+        sys.executable, "src/train.py", "hardware=ddp_cpu", *SHRINK, *CHEAP,
         f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}",
     ]
     # faulthandler: a rank that dies of a signal still leaves its Python stack in stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHEAP, TINY_RUN, compose_config, run_command, user_checkout
+from conftest import CHEAP, TINY_RUN, compose_config, run_command, shrinks_for, user_checkout
 from recforge.errors import UserInputError
 from recforge.pipeline import evaluate, metric_value, train
 
@@ -50,11 +50,15 @@ def _rsc15(files: dict[str, Path], train: str = "train", test: str = "test") -> 
     return ["data=rsc15", f"data.train_path={files[train]}", f"data.test_path={files[test]}"]
 
 
-def _cfg(tmp_path: Path, *overrides: str, name: str = "train", run: str = "run"):
+def _cfg(tmp_path: Path, *overrides: str, name: str = "train", run: str = "run", shrink: bool = True):
+    """``shrink=False`` for a resume: test sizes given on its command line would apply over the
+    run's own sections, as a user's overrides do."""
     cheap = CHEAP if name == "train" else []
     if any(o.startswith("callbacks=") for o in overrides):
         cheap = [o for o in cheap if not o.startswith("callbacks.")]
-    return compose_config(name, [*cheap, *overrides], tmp_path / run, tmp_path / "data")
+    cfg = compose_config(name, [*cheap, *overrides], tmp_path / run, tmp_path / "data")
+    sizes = shrinks_for(cfg, list(overrides)) if name == "train" and shrink else []
+    return compose_config(name, [*cheap, *sizes, *overrides], tmp_path / run, tmp_path / "data")
 
 
 def _refused(cfg, match: str | None, fn=train) -> UserInputError:
@@ -182,7 +186,7 @@ def rsc15_run(tmp_path, files) -> Path:
 
 def test_resume_takes_the_runs_experiment_without_repeating_it(tmp_path, files, rsc15_run):
     # the default data is synthetic; the run trained on the rsc15 files
-    cfg = _cfg(tmp_path, f"ckpt_path={rsc15_run}", "trainer.max_epochs=2", run="resumed")
+    cfg = _cfg(tmp_path, f"ckpt_path={rsc15_run}", "trainer.max_epochs=2", run="resumed", shrink=False)
     metrics = train(cfg)
     assert metrics["epochs"] == 2
     tree = (tmp_path / "resumed" / "config_tree.log").read_text()
@@ -190,7 +194,8 @@ def test_resume_takes_the_runs_experiment_without_repeating_it(tmp_path, files, 
 
 
 def test_resume_with_a_different_model_names_the_key(tmp_path, rsc15_run):
-    cfg = _cfg(tmp_path, f"ckpt_path={rsc15_run}", "trainer.max_epochs=2", "model.hidden_size=16", run="resumed")
+    cfg = _cfg(tmp_path, f"ckpt_path={rsc15_run}", "trainer.max_epochs=2", "model.hidden_size=16", run="resumed",
+               shrink=False)
     _refused(
         cfg,
         r"does not fit the model this config builds: model\.Wy\.weight is \[40, 32\] in the checkpoint, "
@@ -199,7 +204,7 @@ def test_resume_with_a_different_model_names_the_key(tmp_path, rsc15_run):
 
 
 def test_resume_of_a_finished_run_says_to_raise_max_epochs(tmp_path, rsc15_run):
-    cfg = _cfg(tmp_path, f"ckpt_path={rsc15_run}", "trainer.max_epochs=1", run="resumed")
+    cfg = _cfg(tmp_path, f"ckpt_path={rsc15_run}", "trainer.max_epochs=1", run="resumed", shrink=False)
     _refused(cfg, r"has trained 1 epoch\(s\) and trainer\.max_epochs=1: nothing left to train")
 
 

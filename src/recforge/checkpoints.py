@@ -134,8 +134,9 @@ def check_weights_fit(
     run_cfg: DictConfig | None,
 ) -> None:
     """Refuse, in one line, a checkpoint whose weights the built module cannot load."""
-    theirs = checkpoint.get("state_dict", {})
-    mine = module.state_dict()
+    # tensors only: a module's extra state (a generator's position, say) has no shape to compare
+    theirs = {k: v for k, v in checkpoint.get("state_dict", {}).items() if isinstance(v, torch.Tensor)}
+    mine = {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     problems = []
     for name, value in mine.items():
         if name not in theirs:

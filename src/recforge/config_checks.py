@@ -1,12 +1,15 @@
-"""Fail at start, in one line, on data x model x loss combinations that cannot work.
+"""Fail at start, in one line, on a combination of config groups that cannot work.
 
-Each data module declares the batch type it yields, each task the batch type it trains on and the
-score kind it produces, each loss the score kind it consumes; the check compares them and lists
-the config options that would fit, read from the config directory.
+Every edge of an experiment (data -> task -> model, task -> loss, task -> evaluation) is a pair of
+declarations on the classes the configs name (see :mod:`recforge.contracts`); the check compares
+them before anything is built and lists the options of the offending group that would fit,
+read from the config directory. Adding a family adds classes with declarations, not code here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from hydra.utils import get_class
@@ -29,42 +32,58 @@ def _options(conf_dir: Path, group: str) -> dict[str, str]:
     return found
 
 
-def _matching(conf_dir: Path, group: str, attr: str, wanted) -> list[str]:
+def _fitting(conf_dir: Path, group: str, fits: Callable[[type], bool]) -> list[str]:
     names = []
     for name, target in _options(conf_dir, group).items():
         try:
-            if getattr(get_class(target), attr, None) == wanted:
+            if fits(get_class(target)):
                 names.append(name)
         except Exception:  # an option whose class cannot be imported here is not a suggestion
             continue
     return names
 
 
-def _describe(kind) -> str:
+def _name(kind: Any) -> str:
     return getattr(kind, "__name__", str(kind))
+
+
+def _implements(model_cls: type, contract: Any) -> bool:
+    return contract in getattr(model_cls, "implements", ())
 
 
 def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] | None = None) -> None:
     """Raise :class:`IncompatibleConfigError` naming the combination and what is allowed."""
     choices = choices or {}
-    data_cls = get_class(cfg.data._target_)
-    task_cls = get_class(cfg.task._target_)
-    loss_cls = get_class(cfg.loss._target_)
-    model = choices.get("model", cfg.model.get("_target_", "?"))
-    data = choices.get("data", cfg.data._target_)
-    loss = choices.get("loss", cfg.loss._target_)
+    classes = {g: get_class(cfg[g]._target_) for g in ("data", "task", "model", "loss", "evaluation")}
+    data_cls, task_cls, model_cls = classes["data"], classes["task"], classes["model"]
+    loss_cls, eval_cls = classes["loss"], classes["evaluation"]
+    chosen = {g: choices.get(g, cfg[g]._target_) for g in classes}
+    model = chosen["model"]
+
+    def refuse(group: str, problem: str, fits: Callable[[type], bool]) -> None:
+        allowed = _fitting(conf_dir, group, fits)
+        raise IncompatibleConfigError(
+            f"model={model} with {group}={chosen[group]}: {problem}; {group} options for "
+            f"model={model}: {', '.join(allowed) or 'none'}"
+        )
+
+    contract = getattr(task_cls, "model_contract", None)
+    if contract is not None and not _implements(model_cls, contract):
+        raise IncompatibleConfigError(
+            f"model={model} with task={chosen['task']}: the task drives a {_name(contract)} but "
+            f"the model implements {', '.join(map(_name, getattr(model_cls, 'implements', ()))) or 'nothing declared'}; "
+            f"task options for model={model}: "
+            f"{', '.join(_fitting(conf_dir, 'task', lambda t: _implements(model_cls, getattr(t, 'model_contract', None)))) or 'none'}"
+        )
     batch_in, batch_out = getattr(task_cls, "batch_type", None), getattr(data_cls, "batch_type", None)
     if batch_in is not batch_out:
-        allowed = _matching(conf_dir, "data", "batch_type", batch_in)
-        raise IncompatibleConfigError(
-            f"model={model} with data={data}: the model trains on {_describe(batch_in)} batches "
-            f"but the data yields {_describe(batch_out)}; data options for model={model}: "
-            f"{', '.join(allowed) or 'none'}"
-        )
+        refuse("data", f"the model trains on {_name(batch_in)} batches but the data yields {_name(batch_out)}",
+               lambda d: getattr(d, "batch_type", None) is batch_in)
     produces, consumes = getattr(task_cls, "produces", None), getattr(loss_cls, "consumes", None)
     if produces != consumes:
-        allowed = _matching(conf_dir, "loss", "consumes", produces)
-        raise IncompatibleConfigError(
-            f"model={model} with loss={loss}: the model produces {produces} scores but the loss "
-            f"expects {consumes}; loss options for model={model}: {', '.join(allowed) or 'none'}"
-        )
+        refuse("loss", f"the model produces {produces} scores but the loss expects {consumes}",
+               lambda loss: getattr(loss, "consumes", None) == produces)
+    wanted, kind = getattr(task_cls, "evaluation_kind", None), getattr(eval_cls, "kind", None)
+    if wanted != kind:
+        refuse("evaluation", f"the model is evaluated by {wanted} but the evaluation is {kind}",
+               lambda e: getattr(e, "kind", None) == wanted)

@@ -87,7 +87,7 @@ def _build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
         model=_instantiate(cfg.model),
         loss=_instantiate(cfg.loss),
         optimizer=_instantiate(cfg.optimizer),
-        evaluation=OmegaConf.to_container(cfg.evaluation, resolve=True),
+        evaluation=_instantiate(cfg.evaluation),
         # what the task must know about the data (catalogue size, popularity, ...): each data
         # module says, so build() stays the same for every model family
         **datamodule.task_inputs(),

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-CTR_LOGITS = "ctr_logits"
+from recforge.contracts import CTR_LOGITS
 
 
 class BinaryCrossEntropy(nn.Module):

@@ -14,11 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from recforge.config_values import Range
+from recforge.contracts import NEXT_ITEM_COLUMNS
 from recforge.kernels.sampled_loss import negatives_softmax, sampled_bprmax, sampled_softmax_xe
 from recforge.kernels.twin import KernelImpl
 
-# Every next-item loss consumes this kind of score matrix; models that produce it declare the same.
-NEXT_ITEM_COLUMNS = "next_item_columns"
 
 
 class SampledLoss(nn.Module):

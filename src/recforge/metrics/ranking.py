@@ -166,6 +166,11 @@ class RankingMetrics(Metric):
         """Convert counts ``[B]`` to ranks with this metric's tie policy, then update."""
         self.update(ranks_from_counts(n_greater, n_equal, self.ties))
 
+    def keys(self) -> list[str]:
+        """The names :meth:`compute` returns, in its order."""
+        names = [f"{name}@{k}" for name in self.metric_names for k in self.ks]
+        return names + (["mrr"] if self.full_mrr else [])
+
     def compute(self) -> dict[str, Tensor]:  # type: ignore[override]
         """Return ``{"name@k": scalar}`` (plus ``"mrr"`` if ``full_mrr``); zeros when empty."""
         # clamp keeps the zero-event case at 0/1 = 0 without a host-side branch.

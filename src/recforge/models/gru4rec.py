@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from recforge.config_values import Range
+from recforge.contracts import SessionModel
 from recforge.errors import UserInputError
 from recforge.models.row_lookup import shared_row_lookup
 
@@ -137,6 +138,8 @@ class GRU4Rec(nn.Module):
     returns the last layer's output ``[B, d]`` (d = last layer size), ``score_columns`` ``[B, C]``.
     """
 
+    implements = (SessionModel,)
+
     def __init__(
         self,
         n_items: int,
@@ -194,6 +197,11 @@ class GRU4Rec(nn.Module):
     @property
     def state_widths(self) -> list[int]:
         return list(self.layers)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the weights (and so of the hidden state the task carries)."""
+        return self.Wy.weight.dtype
 
     def reset_parameters(self) -> None:
         """Uniform ±sqrt(6/(fan_in+fan_out)) per gate block, zero biases (spec §1.7)."""

@@ -1,0 +1,5 @@
+"""Evaluation protocols: what a task computes on its validation and test splits."""
+
+from recforge.evaluation.full_ranking import FullRanking
+
+__all__ = ["FullRanking"]

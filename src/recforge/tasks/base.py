@@ -1,0 +1,178 @@
+"""The training machinery every task shares; a family's task subclasses :class:`RecTask`.
+
+What lives here, once: manual optimisation (one update per training step, a DDP padding step that
+joins the gradient all-reduce without an update), averaging of sparse item-table gradients across
+DDP ranks (optim/sparse_grad_sync.py), clipping that understands sparse gradients, learning-rate
+schedulers stepped per epoch, objects with state that must survive a resume (negative samplers),
+the epoch's mean training loss, and the logging of the evaluation's metrics.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import lightning as L
+import torch
+from torch import nn
+
+from recforge.optim.clipping import clip_grad_norm_, clip_grad_value_
+from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parameter_names
+
+
+class RecTask(L.LightningModule):
+    """Base of every task: subclasses build their model, define ``training_step`` (calling
+    :meth:`optimize` once per update) and their evaluation steps (feeding ``self.evaluation``).
+
+    Declarations a subclass makes (read by the config check before anything is built; see
+    :mod:`recforge.contracts`): ``batch_type`` (the batch it trains on), ``model_contract``
+    (the Protocol its model implements), ``produces`` (the score layout its loss consumes),
+    ``evaluation_kind`` (the evaluation it feeds).
+
+    Args:
+        optimizer: factory ``(params) -> torch.optim.Optimizer``.
+        evaluation: the evaluation component (e.g. :class:`recforge.evaluation.FullRanking`).
+        scheduler: optional factory ``(optimizer) -> LR scheduler``, stepped once per epoch.
+        gradient_clip_val, gradient_clip_algorithm: optional clipping ("norm" or "value") of
+            every gradient, sparse item-table gradients included (the task optimises manually, so
+            this replaces the Trainer's own clipping options).
+    """
+
+    batch_type: ClassVar[type]
+    model_contract: ClassVar[type]
+    produces: ClassVar[str]
+    evaluation_kind: ClassVar[str]
+
+    def __init__(
+        self,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        evaluation: nn.Module,
+        scheduler: Callable | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+    ) -> None:
+        super().__init__()
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.evaluation = evaluation
+        # Manual optimisation: a GRU4Rec step is small and Lightning's closure machinery cost a
+        # quarter of it; it also lets a padded DDP step join the all-reduce without an update.
+        self.automatic_optimization = False
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self._sparse_synced: list[nn.Parameter] = []
+        self._lazy_factories: dict[str, Callable[[], Any]] = {}
+        self._lazy_objects: dict[str, Any] = {}
+        self._pending_states: dict[str, dict] = {}
+
+    # ------------------------------------------------------------------ DDP and sparse gradients
+    def setup(self, stage: str) -> None:
+        # Before the strategy wraps the module: under DDP the sparse item tables are averaged by
+        # the task (optim/sparse_grad_sync.py), not by DDP's sparse all-reduce.
+        if self.trainer.world_size > 1:
+            names = sparse_parameter_names(self)
+            self._ddp_params_and_buffers_to_ignore = names
+            self._sparse_synced = [self.get_parameter(name) for name in names]
+
+    def on_fit_start(self) -> None:
+        # DDP reads the ignore list when it wraps the module: if a strategy wrapped it earlier,
+        # these gradients would be averaged twice, silently.
+        ignored = getattr(self.trainer.strategy.model, "parameters_to_ignore", None)
+        if not self._sparse_synced or ignored is None:
+            return
+        reduced_twice = sorted(set(self._ddp_params_and_buffers_to_ignore) - set(ignored))
+        if reduced_twice:
+            raise RuntimeError(f"DDP still reduces {reduced_twice}, which the task averages itself")
+
+    # ------------------------------------------------------------------ optimisation
+    def optimize(self, loss: torch.Tensor, step: bool = True) -> None:
+        """Backward ``loss`` and update once. ``step=False`` (a DDP rank's padding step) takes
+        part in the gradient all-reduce but leaves weights and optimizer state untouched."""
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        if self._sparse_synced:
+            average_sparse_grads_(self._sparse_synced)
+        if not step:
+            return
+        if self.gradient_clip_val:
+            self.configure_gradient_clipping(optimizer, self.gradient_clip_val, self.gradient_clip_algorithm)
+        optimizer.step()
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
+        # Lightning's own clipping cannot take norms of the item tables' sparse gradients.
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm == "value":
+            clip_grad_value_(self.parameters(), gradient_clip_val)
+        else:
+            clip_grad_norm_(self.parameters(), gradient_clip_val)
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer=optimizer)}
+
+    # ------------------------------------------------------------------ training loss and epochs
+    def on_train_epoch_start(self) -> None:
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_steps = 0
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Add one update's loss to the epoch mean (summed on the device: no sync per step)."""
+        self._loss_sum += loss.detach()
+        self._loss_steps += 1
+
+    def log_step_loss(self, loss: torch.Tensor, batch_idx: int, batch_size: int) -> None:
+        # Lightning's per-call logging costs ~5% of a GRU4Rec step: the value is handed over
+        # only as often as the loggers write it.
+        if batch_size and batch_idx % self.trainer.log_every_n_steps == 0:
+            self.log("train/loss_step", loss, prog_bar=True, batch_size=batch_size)
+
+    def on_train_epoch_end(self) -> None:
+        if self._loss_steps:
+            mean = self._loss_sum / self._loss_steps
+            self.log("train/loss_epoch", mean, on_step=False, on_epoch=True, prog_bar=True, sync_dist=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()  # manual optimisation steps its schedulers itself, once per epoch
+
+    # ------------------------------------------------------------------ state that survives a resume
+    def register_lazy(self, name: str, factory: Callable[[], Any]) -> None:
+        """An object built on first use (it may need the device or the rank) whose
+        ``state_dict`` travels in checkpoints under ``name``; ``factory`` may return None."""
+        self._lazy_factories[name] = factory
+
+    def lazy(self, name: str) -> Any:
+        """The object registered as ``name``, built (and given its restored state) on first use."""
+        if name not in self._lazy_objects:
+            obj = self._lazy_factories[name]()
+            state = self._pending_states.pop(name, None)
+            if obj is not None and state is not None:
+                obj.load_state_dict(state)
+            self._lazy_objects[name] = obj
+        return self._lazy_objects[name]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        for name, obj in self._lazy_objects.items():
+            if obj is not None:
+                checkpoint[name] = obj.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._pending_states = {n: checkpoint[n] for n in self._lazy_factories if n in checkpoint}
+        self._lazy_objects.clear()
+
+    # ------------------------------------------------------------------ evaluation
+    def _log_evaluation(self, split: str) -> None:
+        # computed once per epoch: the metric sums are reduced across DDP ranks inside
+        self.log_dict(self.evaluation.compute_and_reset(split), sync_dist=False)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation("test")

@@ -1,0 +1,103 @@
+"""LightningModule for generative sequential retrieval over jagged user histories (SASRec, HSTU)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from recforge.config_values import Range
+from recforge.contracts import SEQUENCE_POSITIONS, SequenceModel
+from recforge.data.batches import HistoryBatch
+from recforge.data.negatives import negatives_generator_seed
+from recforge.evaluation import FullRanking
+from recforge.losses.sampled_softmax import next_item_positives
+from recforge.tasks.base import RecTask
+
+
+class SequentialRetrievalTask(RecTask):
+    """Trains a sequence encoder on :class:`HistoryBatch` es, every position supervised, and ranks
+    the full catalogue for each user's target.
+
+    Training: the encoder reads each jagged history; position p's vector predicts the history's
+    next item and the last position predicts the batch's target (spec §1.5); the loss compares
+    them with the item table. Evaluation: each row's last vector is the query; the catalogue is
+    ranked with the model's item vectors, the batch's exclusion lists (the history, as the data's
+    ``exclude`` policy says) never counted (:class:`recforge.evaluation.FullRanking`).
+
+    Args:
+        model: factory ``(n_items=..., max_sequence_length=...) -> nn.Module`` implementing
+            :class:`recforge.contracts.SequenceModel`.
+        loss: a ``SEQUENCE_POSITIONS`` loss (``SampledSoftmax``, ``FullSoftmax``); one with a
+            ``manual_seed`` draws its negatives from a stream derived from (seed, DDP rank).
+        optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm: see
+            :class:`recforge.tasks.base.RecTask`.
+        n_items, item_popularity, max_seq_len: from the data module (catalogue size, counts,
+            longest history it hands out).
+        seed: the run's seed, from which the negatives' stream is derived.
+    """
+
+    batch_type = HistoryBatch
+    model_contract = SequenceModel
+    produces = SEQUENCE_POSITIONS
+    evaluation_kind = FullRanking.kind
+
+    def __init__(
+        self,
+        model: Callable[..., nn.Module],
+        loss: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        evaluation: FullRanking,
+        n_items: int,
+        item_popularity: Sequence[int] | np.ndarray | torch.Tensor,
+        max_seq_len: Annotated[int, Range(ge=1)],
+        scheduler: Callable | None = None,
+        seed: int | None = 0,
+        gradient_clip_val: Annotated[float, Range(gt=0)] | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+    ) -> None:
+        super().__init__(optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm)
+        self.save_hyperparameters(
+            ignore=["model", "loss", "optimizer", "scheduler", "evaluation", "item_popularity"], logger=False
+        )
+        self.model = model(n_items=n_items, max_sequence_length=max_seq_len)
+        self.loss = loss
+        self.n_items = int(n_items)
+        self.seed = int(seed or 0)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        # one stream of negatives per rank, none of them the global generator's (which drew the
+        # initial weights); a checkpoint's saved position replaces it on resume
+        if hasattr(self.loss, "manual_seed"):
+            self.loss.manual_seed(negatives_generator_seed(self.seed, self.global_rank))
+
+    # ------------------------------------------------------------------ training
+    def train_loss(self, batch: HistoryBatch) -> torch.Tensor:
+        """The loss of one batch, every position supervised (no update: training_step makes it)."""
+        outputs = self.model(batch.items, batch.offsets)
+        positives = next_item_positives(batch.items, batch.offsets, batch.targets)
+        return self.loss(outputs, positives, self.model.item_table)
+
+    def training_step(self, batch: HistoryBatch, batch_idx: int) -> torch.Tensor:
+        loss = self.train_loss(batch)
+        self.optimize(loss)
+        self.record_loss(loss)
+        self.log_step_loss(loss, batch_idx, batch.size)
+        return loss
+
+    # ------------------------------------------------------------------ evaluation
+    def _rank_targets(self, batch: HistoryBatch, split: str) -> None:
+        queries = self.model.last_positions(self.model(batch.items, batch.offsets), batch.offsets)
+        self.evaluation.update(
+            split, queries, self.model.item_embeddings(), None, batch.targets,
+            exclude_items=batch.exclude_items, exclude_offsets=batch.exclude_offsets,
+        )
+
+    def validation_step(self, batch: HistoryBatch, batch_idx: int) -> None:
+        self._rank_targets(batch, "val")
+
+    def test_step(self, batch: HistoryBatch, batch_idx: int) -> None:
+        self._rank_targets(batch, "test")
