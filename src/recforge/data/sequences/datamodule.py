@@ -63,9 +63,9 @@ class HistoryDataModule(L.LightningDataModule):
     ``history`` (the truncated history the model sees, the reference's choice), ``all_seen``
     (every item before the target) or ``none``.
 
-    Training shuffles users each epoch from a generator seeded by Lightning's seed
-    (``PL_GLOBAL_SEED``); under DDP Lightning swaps in its distributed sampler (same seed, set per
-    epoch), so each rank trains on its own share of users. Evaluation rows are split between
+    Training shuffles users each epoch in an order fixed by Lightning's seed (``PL_GLOBAL_SEED``)
+    and the epoch, so a resumed run trains like an uninterrupted one; under DDP each rank trains on
+    its own share of users. Evaluation rows are split between
     ranks without repeats. ``item_popularity`` counts the training split's events only.
     """
 
@@ -217,11 +217,16 @@ class HistoryDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator()
-        generator.manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
-        return self._loader(
-            self.dataset("train"), batch_size=self.batch_size, shuffle=True, generator=generator
+        # The order is a function of (seed, epoch), set by Lightning before every epoch: a resumed
+        # run sees the users in the order an uninterrupted one would, and each DDP rank its share
+        # (a DistributedSampler, so Lightning keeps it rather than wrapping it).
+        dataset = self.dataset("train")
+        rank, world = self._rank()
+        sampler = DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
         )
+        return self._loader(dataset, batch_size=self.batch_size, sampler=sampler)
 
     def _eval_loader(self, split: str) -> DataLoader:
         dataset = self.dataset(split)
