@@ -25,8 +25,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 
 # 1. kernels on the GPU against their twins (forward and backward)
-run_step 1 && timeout 240 "$py" -m pytest -q -m triton tests/test_target_rank_triton.py tests/test_sampled_loss_kernel.py \
-  tests/test_rowwise_adagrad_triton.py \
+run_step 1 && timeout 240 "$py" -m pytest -q -m triton tests/shared/test_target_rank_triton.py tests/gru4rec/test_sampled_loss_kernel.py \
+  tests/gru4rec/test_rowwise_adagrad_triton.py \
   2>&1 | tail -15 | tee "$out/triton_tests.txt"
 # 2. score-and-rank: 37k items (the spec's synthetic catalogue) and 1M items in bf16
 run_step 2 && timeout 120 "$py" benchmarks/target_rank_bench.py 2>&1 | tee "$out/target_rank.txt"

@@ -11,7 +11,7 @@ from conftest import TINY_RUN, run_command, user_checkout
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Known and harmless (recforge/utils/quiet.py) or fixed at the source; none may reach a user.
 NOISE = [
     "litlogger", "litmodels", "LeafSpec", "transfer_batch_to_device", "across ranks is zero",

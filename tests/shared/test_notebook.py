@@ -24,7 +24,7 @@ from recforge.analysis import (
     optimized_metric,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "notebooks" / "1.0-sweep-analysis.ipynb"
 
 # --------------------------------------------------------------------------- a hand-made sweep
@@ -226,7 +226,7 @@ def test_notebook_is_stored_clean():
 
 # --------------------------------------------------------------------------- a real tiny sweep
 
-# The README's grid sweep, run as a user types it (tests/test_sweeps.py runs it too: one run serves both).
+# The README's grid sweep, run as a user types it (tests/shared/test_sweeps.py runs it too: one run serves both).
 README_GRID = "python src/train.py -m model=gru4rec loss=xe,bprmax model.hidden_size=64,128"
 
 

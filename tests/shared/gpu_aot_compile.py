@@ -1,7 +1,7 @@
 """Compile every Triton kernel, launched as its wrapper launches it, for a real GPU target, no GPU needed.
 
-Run as a script (``python tests/gpu_aot_compile.py [ARCH ...]``, default ``90``) in a process
-*without* ``TRITON_INTERPRET`` (tests/test_kernels_compile_for_gpu.py does that): the kernels must
+Run as a script (``python tests/shared/gpu_aot_compile.py [ARCH ...]``, default ``90``) in a process
+*without* ``TRITON_INTERPRET`` (tests/shared/test_kernels_compile_for_gpu.py does that): the kernels must
 be real ``JITFunction`` objects. Each kernel object in the Triton modules is swapped for a recorder,
 the public wrappers are called on small CPU tensors with GPU-sized tiles passed explicitly, and
 every recorded launch is compiled with ``triton.compile`` for ``GPUTarget("cuda", ARCH, 32)``

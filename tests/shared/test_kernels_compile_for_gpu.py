@@ -2,7 +2,7 @@
 
 The interpreter tests check what the kernels compute, but the interpreter accepts programs the
 compiler rejects: a variable whose shape changes inside a loop ran under TRITON_INTERPRET=1 and
-failed to compile. tests/gpu_aot_compile.py runs the full pipeline down to a cubin with Triton's
+failed to compile. tests/shared/gpu_aot_compile.py runs the full pipeline down to a cubin with Triton's
 bundled ptxas, in a process without the interpreter, and reports registers, spills and PTX facts.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def compiled() -> list[dict]:
         pytest.skip(f"Triton's bundled ptxas is missing ({PTXAS}): cannot compile for a GPU here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (silences its warning)
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *map(str, ARCHS)], env=env, capture_output=True, text=True, timeout=600

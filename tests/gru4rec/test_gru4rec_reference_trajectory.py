@@ -125,7 +125,7 @@ def test_one_epoch_retraces_the_official_implementation(reference, shared_data_d
 
 
 # -------------------------------------------------------------------------------------- bpr-max
-# tests/data/gru4rec_bprmax_epoch_reference.npz (see tests/data/README.md): one epoch of the
+# tests/gru4rec/data/gru4rec_bprmax_epoch_reference.npz (see tests/gru4rec/data/README.md): one epoch of the
 # official code with the constrained bpr-max sample parameters and 2048 uniformly sampled
 # negatives per mini-batch, started from its own compatibility-mode initialisation.
 BPRMAX_ORACLE = Path(__file__).parent / "data" / "gru4rec_bprmax_epoch_reference.npz"
