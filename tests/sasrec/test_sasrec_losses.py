@@ -46,8 +46,10 @@ def _grads(loss, *tensors):
 @pytest.mark.parametrize("n_items", [6, 400])  # whole-table and distinct-rows normalisation
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_value_and_gradients_match_the_naive_loop(n_items, shared, weighted, monkeypatch) -> None:
+@pytest.mark.parametrize("dense", [False, True])  # the per-position scores gathered, or all scored
+def test_value_and_gradients_match_the_naive_loop(n_items, shared, weighted, dense, monkeypatch) -> None:
     monkeypatch.setattr(ss, "_CHUNK_ELEMENTS", 40)  # several chunks
+    monkeypatch.setattr(ss, "_DENSE_RATIO", 10**9 if dense else 0)
     q, positives, table, g = _inputs(n_items=n_items)
     r = 9
     shape = (r,) if shared else (len(positives), r)

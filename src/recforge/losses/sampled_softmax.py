@@ -36,8 +36,14 @@ from recforge.contracts import SEQUENCE_POSITIONS
 HIT_LOGIT = -5e4
 """Logit of a sampled negative equal to its position's positive (the reference's value)."""
 
-# Rows of [chunk, C, D] gathered at a time by _GatheredDots: ~8 MB in fp32, cache-sized.
+# Elements of one chunk's work block in _GatheredDots ([chunk, C, D] gathered rows, or the
+# [chunk, n_items] scores of the dense form): ~8 MB in fp32, cache-sized.
 _CHUNK_ELEMENTS = 1 << 21
+# The dense form scores every item: n_items / C times the multiply-adds of the gathered form, but
+# as matrix products, where the gathered form's gradient is a scatter-add of P·C rows of D (on CPU
+# about 40M elements/s against some 50 GFLOP/s of matmul). It is chosen while
+# n_items <= _DENSE_RATIO · C: ml-1m and ml-20m with 128 negatives, not Amazon Books.
+_DENSE_RATIO = 256
 
 
 class _GatheredDots(torch.autograd.Function):
@@ -45,8 +51,14 @@ class _GatheredDots(torch.autograd.Function):
 
     Autograd through ``table[ids]`` followed by a bmm stores the gathered ``[P, C, D]`` block
     (the reference gathers and normalises it: two such blocks, ~60% of an HSTU step, spec §5)
-    and builds another in backward. Here both passes walk over row chunks, so at most
-    ``[chunk, C, D]`` exists at once; backward re-gathers. Same sums, chunked.
+    and builds another in backward. Here both passes walk over row chunks. Two forms of the same
+    sums, picked by the table's size against the columns (``_DENSE_RATIO``):
+
+    * gathered: ``[chunk, C, D]`` rows gathered, a batched dot; backward re-gathers for the
+      queries' gradient and scatter-adds ``[chunk·C, D]`` rows into the table's;
+    * dense: the chunk's scores against the whole table, ``[chunk, n]`` (one matmul), of which the
+      ids' columns are taken; backward scatters the gradient into ``[chunk, n]`` (chunk·C adds)
+      and multiplies it with the table and the queries (two matmuls).
     """
 
     @staticmethod
@@ -54,14 +66,19 @@ class _GatheredDots(torch.autograd.Function):
         ctx: Any, queries: torch.Tensor, table: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         n_pos, n_cols = ids.shape
-        chunk = max(1, _CHUNK_ELEMENTS // max(1, n_cols * table.shape[1]))
+        dense = table.shape[0] <= _DENSE_RATIO * n_cols
+        width = table.shape[0] if dense else n_cols * table.shape[1]
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, width))
         out = queries.new_empty(n_pos, n_cols)
         for start in range(0, n_pos, chunk):
             stop = min(start + chunk, n_pos)
-            rows = table[ids[start:stop]]  # [c, C, D]
-            torch.bmm(rows, queries[start:stop].unsqueeze(2), out=out[start:stop].unsqueeze(2))
+            if dense:
+                torch.gather(queries[start:stop] @ table.T, 1, ids[start:stop], out=out[start:stop])
+            else:
+                rows = table[ids[start:stop]]  # [c, C, D]
+                torch.bmm(rows, queries[start:stop].unsqueeze(2), out=out[start:stop].unsqueeze(2))
         ctx.save_for_backward(queries, table, ids)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.dense = chunk, dense
         return out
 
     @staticmethod
@@ -74,6 +91,13 @@ class _GatheredDots(torch.autograd.Function):
         for start in range(0, n_pos, ctx.chunk):
             stop = min(start + ctx.chunk, n_pos)
             g = grad_out[start:stop]  # [c, C]
+            if ctx.dense:
+                spread = g.new_zeros(stop - start, table.shape[0]).scatter_add_(1, ids[start:stop], g)
+                if grad_q is not None:
+                    torch.mm(spread, table, out=grad_q[start:stop])
+                if grad_t is not None:
+                    grad_t.addmm_(spread.T, queries[start:stop])
+                continue
             if grad_q is not None:
                 rows = table[ids[start:stop]]  # [c, C, D]
                 torch.bmm(g.unsqueeze(1), rows, out=grad_q[start:stop].unsqueeze(1))
