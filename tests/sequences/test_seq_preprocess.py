@@ -131,6 +131,15 @@ def test_ml1m_without_movies_file_keeps_rated_items_only(tmp_path, caplog):
     assert "no items file given" in caplog.text
 
 
+def test_ml1m_ratings_file_alone_takes_the_movies_file_beside_it(tmp_path, caplog):
+    ratings = write(tmp_path / "ratings.dat", ML1M_RATINGS)
+    write(tmp_path / "movies.dat", ML1M_MOVIES)
+    with caplog.at_level("INFO"):
+        out = prepare("ml-1m", ratings, tmp_path / "out")
+    assert files_content(out)["item_ids"] == ["1", "2", "3", "7", "20"]  # 7: never rated
+    assert "found beside the ratings file" in caplog.text
+
+
 def test_ml1m_directory_finds_public_names(tmp_path):
     write(tmp_path / "ratings.dat", ML1M_RATINGS)
     write(tmp_path / "movies.dat", ML1M_MOVIES)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from recforge.config_values import Range
 from recforge.data.batches import HistoryBatch
-from recforge.data.sequences.prepared import Histories, load_prepared
+from recforge.data.sequences.prepared import Histories, PreparedDataError, load_prepared, read_marker
 from recforge.data.sequences.splits import (
     EXCLUDE_POLICIES,
     MIN_EVENTS,
@@ -139,7 +139,15 @@ class HistoryDataModule(L.LightningDataModule):
     @property
     def histories(self) -> Histories:
         if self._histories is None:
-            self._histories = load_prepared(self.prepared_dir, "data.prepared_dir")
+            try:
+                self._histories = load_prepared(self.prepared_dir, "data.prepared_dir")
+            except PreparedDataError as error:
+                if read_marker(self.prepared_dir) is not None:
+                    raise
+                # nothing prepared yet: say how to get there from the raw files, in one step
+                raise PreparedDataError(
+                    f"{error}, or set data.ratings_path=<the raw ratings file> to prepare it on first use"
+                ) from error
             self._check_item_map()
         return self._histories
 

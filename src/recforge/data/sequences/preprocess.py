@@ -396,7 +396,14 @@ def _resolve_raw_paths(
         if not path.is_file():
             what = "is a directory, not a file" if path.is_dir() else "does not exist"
             raise RatingsDataError(f"{spec.name} raw file {path} {what}", path=path)
-    return paths[0], (paths[1] if len(paths) == 2 else None)
+    if len(paths) == 2 or not spec.items_files:
+        return paths[0], (paths[1] if len(paths) == 2 else None)
+    # The public releases ship the movies file beside the ratings: the catalogue it completes
+    # (never-rated movies included) is what the reference ranks, so it is used when it is there.
+    beside = next((paths[0].parent / n for n in spec.items_files if (paths[0].parent / n).is_file()), None)
+    if beside is not None:
+        log.info("%s: items from %s, found beside the ratings file", spec.name, beside)
+    return paths[0], beside
 
 
 def main(argv: Sequence[str] | None = None) -> int:
