@@ -98,3 +98,42 @@ def test_resume_trains_like_an_uninterrupted_run(make_cfg):
     for name, value in b.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(a[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_split_users_and_reduce_metrics(make_cfg, tmp_path, data_dir):
+    """``model=sasrec data=synthetic_histories hardware=ddp_cpu`` as a user runs it (Lightning
+    relaunches src/train.py for rank 1): each rank trains on half of the users and evaluates half
+    of them, and the test metrics it reports equal a single-process evaluation of its checkpoint."""
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from conftest import CHEAP, REPO_ROOT
+
+    from recforge.pipeline import evaluate
+
+    sizes = ["model=sasrec", "data=synthetic_histories", "data.generator.n_users=300",
+             "data.generator.n_items=200", "data.generator.max_length=60", "data.max_seq_len=50",
+             "data.batch_size=32", "data.eval_batch_size=64"]
+    log_dir = tmp_path / "ddp"
+    cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *sizes, *CHEAP, "trainer.max_epochs=2",
+           f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
+    (run_dir,) = (log_dir / "train" / "runs").iterdir()
+    trained = json.loads((run_dir / "metrics.json").read_text())
+    ckpt = trained["test_checkpoint"]
+    single = evaluate(make_cfg(*sizes, f"ckpt_path={ckpt}", name="eval", run="single"))
+    test = {k: v for k, v in trained.items() if k.startswith("test/") and "per_s" not in k}
+    assert test and test == pytest.approx({k: single[k] for k in test}, abs=1e-6)
+    # each rank stepped through its own half of the training users, two epochs of it
+    datamodule, _ = build(make_cfg(*sizes, run="probe"))
+    datamodule.setup("fit")
+    n_train = len(datamodule.dataset("train"))
+    state = torch.load(Path(ckpt).parent / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 2 * math.ceil(math.ceil(n_train / 2) / 32)
