@@ -72,6 +72,8 @@ def _expected(annotation: Any) -> str:
         return f"a list (each item {_expected(args[0])})" if args else "a list"
     if annotation is type(None):
         return "null"
+    if typing.is_typeddict(annotation):
+        return "a mapping with keys " + ", ".join(typing.get_type_hints(annotation))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         annotation, "a mapping" if origin in (dict, Mapping) or annotation in (dict, Mapping) else "a value"
     )
@@ -100,9 +102,26 @@ def _fits(value: Any, annotation: Any) -> bool:
         if not isinstance(value, (list, tuple)):
             return False
         return not args or all(_fits(v, args[0]) for v in value)
-    if origin in (dict, Mapping) or annotation in (dict, Mapping):
+    if origin in (dict, Mapping) or annotation in (dict, Mapping) or typing.is_typeddict(annotation):
         return isinstance(value, dict)
     return True  # a class, a callable, Any: built or checked by its own code
+
+
+def _typed_dict(annotation: Any) -> type | None:
+    """The TypedDict an annotation names (``X``, ``X | None``), or None."""
+    candidates = [annotation, *typing.get_args(annotation)]
+    return next((c for c in candidates if typing.is_typeddict(c)), None)
+
+
+def _check_typed_dict(value: dict, schema: type, path: str) -> None:
+    """A mapping parameter with named keys (``model.attention.kernel``): each key known, each
+    value of its declared type, the error naming the nested key."""
+    hints = typing.get_type_hints(schema, include_extras=True)
+    for key, item in value.items():
+        if key not in hints:
+            raise ConfigValueError(f"{path}.{key}: {path} takes no key {key!r}; it takes: {', '.join(hints)}")
+        if not _fits(item, hints[key]):
+            raise ConfigValueError(f"{path}.{key}={_shown(item)}: expected {_expected(hints[key])}")
 
 
 # ---------------------------------------------------------------------------- signatures
@@ -202,7 +221,9 @@ def check_config_values(cfg: DictConfig) -> None:
             value = node[key]
             if isinstance(value, (DictConfig, ListConfig)):
                 value = OmegaConf.to_container(value, resolve=True)
-            if not _fits(value, params[key]):
+            if _typed_dict(params[key]) is not None and isinstance(value, dict):
+                _check_typed_dict(value, _typed_dict(params[key]), f"{path}.{key}")
+            elif not _fits(value, params[key]):
                 raise ConfigValueError(
                     f"{_source_key(node, key, path)}={_shown(value)}: expected {_expected(params[key])}"
                 )

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Literal
+from typing import Literal, TypedDict
 
 from torch import Tensor
 
 KernelImpl = Literal["pytorch", "triton"]
 """The values of every kernel switch (``loss.kernel``, ``optimizer.kernel``, ``evaluation.kernel``)."""
+
+
+class KernelChoice(TypedDict, total=False):
+    """A model part's kernel switch as a config mapping (``model.attention: {kernel: triton}``)."""
+
+    kernel: KernelImpl
 
 
 class TritonTwin:
