@@ -28,6 +28,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from recforge.kernels import hstu_attention_triton as hstu_attn  # noqa: E402
+from recforge.kernels import hstu_output_triton as hstu_out  # noqa: E402
 from recforge.kernels import rowwise_adagrad_triton as rowwise  # noqa: E402
 from recforge.kernels import sampled_loss_triton as sampled  # noqa: E402
 from recforge.kernels import target_rank_triton as ranking  # noqa: E402
@@ -80,7 +82,7 @@ def _source(recorder: Recorder, args, kwargs, overrides: dict) -> tuple[ASTSourc
 def _launches() -> list[tuple[str, Recorder, tuple, dict, dict]]:
     """Call every wrapper the way a GPU run would, recording each kernel launch."""
     recorders = {}
-    for module in (sampled, ranking, rowwise):
+    for module in (sampled, ranking, rowwise, hstu_out, hstu_attn):
         for name in dir(module):
             obj = getattr(module, name)
             if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
@@ -157,6 +159,37 @@ def _launches() -> list[tuple[str, Recorder, tuple, dict, dict]]:
                 ),
                 num_warps=rowwise._num_warps(triton.next_power_of_2(width), on_gpu=True),
             )
+    # HSTU output (LN(attn) * u, dropout; the addmm is torch's): ml-1m's E = 50 and a wide E = 512,
+    # dropout on and off, forward and backward (recomputing y for d_weight), with GPU tiles.
+    for width in (50, 512):
+        bm, _, warps = hstu_out._tiles(width, on_gpu=True, block_m=None)
+        attn = torch.randn(64, 2 * width, generator=gen)[:, :width]  # strided rows, as sliced from uvqk
+        u, dy = torch.randn(64, width, generator=gen), torch.randn(64, width, generator=gen)
+        for p in (0.2, 0.0):
+            record(
+                f"hstu_output/E={width}/p={p}",
+                lambda: hstu_out.hstu_output_backward(
+                    attn, u, dy, *hstu_out.hstu_output_forward(attn, u, p, 7, 1e-6)[1:], p, 7, True
+                ),
+                BLOCK_M=bm, num_warps=warps,
+            )  # fmt: skip
+    # HSTU attention (jagged, causal, in-kernel relative bias): forward, dK/dV (with the bias
+    # gradients) and dQ, launched by the autograd function with its GPU settings, at the configs'
+    # head dims 25 (4 warps) and 50 (padded to 64, 8 warps) and at 128, the widest it supports.
+    for dim in (25, 50, 128):
+        lens = torch.tensor([0, 1, 200, 37])
+        n_tok = int(lens.sum())
+        q, k, v = (torch.randn(n_tok, 2, dim, generator=gen).requires_grad_() for _ in range(3))
+        pos_w, time_w = torch.zeros(2 * 211 - 1, requires_grad=True), torch.zeros(129, requires_grad=True)
+        times = torch.arange(n_tok)
+        offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        config = hstu_attn._config(dim, dim, on_gpu=True)
+        record(
+            f"hstu_attention/d={dim}",
+            lambda: hstu_attn.hstu_attention_triton(
+                q, k, v, offsets, 200, pos_w, time_w, times, times + 1, 211, config=config
+            ).backward(torch.randn(n_tok, 2, dim, generator=gen)),
+        )
     return cases
 
 

@@ -1,0 +1,247 @@
+"""Causal HSTU attention over jagged histories with the research code's relative bias (spec §1.3-1.4).
+
+Rows of a jagged batch (row ``b`` owns elements ``offsets[b]:offsets[b+1]``, position 0 the oldest)
+attend causally within themselves. For query position i and key position j ≤ i of one row, per
+head:
+
+    s_ij   = q_i · k_j + pos_weights[width − 1 + j − i] + time_weights[bucket(τ_i − t_j)]
+    out_i  = Σ_{j ≤ i} SiLU(s_ij) / width · v_j
+
+with ``t_j`` the key's timestamp, ``τ_i`` the query's time (the caller passes the time of the event
+position i predicts: the next history item's, the target's at the last position) and
+
+    bucket(Δ) = clamp(floor(ln(max(|Δ|, 1)) / 0.301), 0, NB),   NB + 1 = len(time_weights)
+
+computed as the reference does (natural log in float32 of the clamped integer difference). No
+1/sqrt(d) scaling, no softmax: the SiLU scores are divided by the fixed ``width`` (the reference's
+padded width N = max_sequence_length + 11), not by the row's length, so a row's output does not
+depend on how long the other rows of its batch are. The biases are shared by the heads.
+
+``kernel="pytorch"`` (:func:`hstu_attention_reference`) is plain differentiable torch: the CPU path
+and the oracle of the Triton twin. ``kernel="triton"`` runs
+:mod:`recforge.kernels.hstu_attention_triton`, imported lazily, falling back to the reference with
+one warning per process when Triton cannot run.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
+
+from recforge.kernels.twin import TritonTwin
+
+__all__ = ["IMPLS", "LOG_BUCKET_DIVISOR", "hstu_attention", "hstu_attention_reference", "time_buckets"]
+
+#: Implementations accepted by :func:`hstu_attention`.
+IMPLS: tuple[str, ...] = ("pytorch", "triton")
+
+TRITON = TritonTwin("recforge.kernels.hstu_attention_triton")
+
+#: The reference's bucket width. 0.301 is log10(2), but it divides a *natural* log: a bucket spans a
+#: factor of e^0.301 ≈ 1.35 in time, not 2; kept, since the trained time weights assume it.
+LOG_BUCKET_DIVISOR = 0.301
+
+
+def time_buckets(delta: Tensor, num_buckets: int) -> Tensor:
+    """Bucket of each time difference (seconds): int64 in ``[0, num_buckets]``, same shape.
+
+    ``floor(ln(max(|Δ|, 1)) / 0.301)`` in float32, as the reference computes it, so that a
+    difference on a bucket boundary falls where it falls there: 1 min -> 13, 1 h -> 27,
+    1 day -> 37, 30 days -> 49, 1 year -> 57.
+    """
+    # in place on one float32 copy ([B, L, L] for a batch: each pass is memory-bound). float32(|Δ|)
+    # = |float32(Δ)|, so converting before abs and clamp rounds exactly as the reference does.
+    scaled = delta.to(torch.float32, copy=True).abs_().clamp_(min=1).log_().div_(LOG_BUCKET_DIVISOR)
+    return scaled.long().clamp_(0, num_buckets)
+
+
+class _RelativeBias(torch.autograd.Function):
+    """``pos_weights[rel] + time_weights[buckets]`` ``[B, L, L]``, with the weights' gradients
+    taken by ``bincount`` (one pass) instead of the indexing's accumulating scatter into 129 and
+    2N − 1 slots, which in a CPU profile took about as long as the attention's matmuls."""
+
+    @staticmethod
+    def forward(ctx, pos_weights: Tensor, time_weights: Tensor, rel: Tensor, buckets: Tensor) -> Tensor:
+        ctx.save_for_backward(rel, buckets)
+        ctx.sizes = pos_weights.numel(), time_weights.numel()
+        return pos_weights[rel].unsqueeze(0) + time_weights[buckets]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        rel, buckets = ctx.saved_tensors
+        n_pos, n_time = ctx.sizes
+        grad_pos = grad_time = None
+        if ctx.needs_input_grad[0]:
+            grad_pos = torch.bincount(rel.reshape(-1), weights=grad.sum(0).reshape(-1), minlength=n_pos)
+        if ctx.needs_input_grad[1]:
+            grad_time = torch.bincount(buckets.reshape(-1), weights=grad.reshape(-1), minlength=n_time)
+        return grad_pos, grad_time, None, None
+
+
+class _Unpad(torch.autograd.Function):
+    """``grid.index_select(0, slot)``: the valid rows of a padded grid. The slots are distinct, so
+    the gradient is a copy into zeros, not index_select's scatter-add (in a CPU profile the
+    largest single step of the attention's backward)."""
+
+    @staticmethod
+    def forward(ctx, grid: Tensor, slot: Tensor) -> Tensor:
+        ctx.save_for_backward(slot)
+        ctx.rows = grid.shape[0]
+        return grid.index_select(0, slot)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (slot,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_copy_(0, slot, grad), None
+
+
+def _rows_and_positions(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """offsets ``[B+1]`` -> (row ``[T]``, position within the row ``[T]``), int64."""
+    lengths = offsets[1:] - offsets[:-1]
+    rows = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total
+    )
+    return rows, torch.arange(total, device=offsets.device) - offsets[:-1][rows]
+
+
+def hstu_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    max_len: int,
+    pos_weights: Tensor,
+    time_weights: Tensor,
+    timestamps: Tensor,
+    query_times: Tensor,
+    width: int,
+) -> Tensor:
+    """The PyTorch reference of :func:`hstu_attention` (validated inputs).
+
+    Pads q, k, v to ``[B, max_len, H, ·]`` with max_len the *batch's* longest row, not the global
+    ``width`` the reference pads to: padding is exact here because every row is left-aligned, so
+    causality alone keeps a valid query off the padded keys (the fixed divisor ``width`` is what
+    the reference's padding contributes to the result, and it is kept). Memory
+    ``B · H · max_len²`` for the scores (several such tensors are kept for backward); padded
+    query rows are computed and dropped, and get zero gradient.
+    """
+    total, heads, _ = q.shape
+    batch = offsets.numel() - 1
+    rows, positions = _rows_and_positions(offsets.long(), total)
+    slot = rows * max_len + positions
+
+    def padded(values: Tensor) -> Tensor:
+        grid = values.new_zeros((batch * max_len, *values.shape[1:]))
+        return grid.index_copy(0, slot, values).view(batch, max_len, *values.shape[1:])
+
+    scores = torch.einsum("bihd,bjhd->bhij", padded(q), padded(k))  # [B, H, L, L]
+    steps = torch.arange(max_len, device=q.device)
+    rel = width - 1 + steps.unsqueeze(0) - steps.unsqueeze(1)  # [i, j]: index of distance j − i
+    # padded slots get time 0: their buckets are junk, but only masked pairs read them
+    delta = padded(query_times).unsqueeze(2) - padded(timestamps).unsqueeze(1)  # [B, L, L]
+    buckets = time_buckets(delta, time_weights.numel() - 1)
+    bias = _RelativeBias.apply(pos_weights, time_weights, rel, buckets)  # [B, L, L]
+    causal = torch.ones(max_len, max_len, dtype=scores.dtype, device=q.device).tril()
+    weights = F.silu(scores + bias.unsqueeze(1).to(scores.dtype)) / width * causal
+    out = torch.einsum("bhij,bjhd->bihd", weights, padded(v))  # [B, L, H, dv]
+    return _Unpad.apply(out.reshape(batch * max_len, heads, v.shape[2]), slot)
+
+
+def _validate(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_len: int, pos_weights: Tensor,
+    time_weights: Tensor, timestamps: Tensor, query_times: Tensor, width: int,
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("pos_weights", pos_weights),
+                    ("time_weights", time_weights)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [T, H, d], got shape {tuple(t.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} [T, H, dqk], got {tuple(k.shape)}")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [T, H, dv] with T, H = {tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a positive int, got {width!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 0 <= max_len <= width:
+        raise ValueError(f"max_len must be an int in [0, width={width}], got {max_len!r}")
+    if pos_weights.shape != (2 * width - 1,):
+        raise ValueError(f"pos_weights must be 1-D [2·width − 1] = [{2 * width - 1}], "
+                         f"got shape {tuple(pos_weights.shape)}")
+    if time_weights.dim() != 1 or time_weights.numel() < 1:
+        raise ValueError(f"time_weights must be 1-D [num_buckets + 1], got shape {tuple(time_weights.shape)}")
+    total = q.shape[0]
+    for name, t in (("offsets", offsets), ("timestamps", timestamps), ("query_times", query_times)):
+        if not isinstance(t, Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    for name, t in (("timestamps", timestamps), ("query_times", query_times)):
+        if t.numel() != total:
+            raise ValueError(f"{name} must be [T] with T={total} (one per element), got {tuple(t.shape)}")
+    devices = {t.device for t in (q, k, v, offsets, pos_weights, time_weights, timestamps, query_times)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(str(d) for d in devices)}")
+    if offsets.numel() < 1:
+        raise ValueError("offsets must be [B+1] (at least one element, 0)")
+    # one host sync: a bad offset would make rows overlap or read past the values
+    first, last = int(offsets[0]), int(offsets[-1])
+    lengths = offsets[1:] - offsets[:-1]
+    if first != 0 or last != total or bool((lengths < 0).any()):
+        raise ValueError(f"offsets must rise from 0 to T={total}, got {first} .. {last}"
+                         + (" with a decrease" if bool((lengths < 0).any()) else ""))
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if longest > max_len:
+        raise ValueError(f"a row has {longest} elements but max_len={max_len}: pass the longest row's length")
+
+
+def hstu_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    *,
+    max_len: int,
+    pos_weights: Tensor,
+    time_weights: Tensor,
+    timestamps: Tensor,
+    query_times: Tensor,
+    width: int,
+    kernel: str = "pytorch",
+) -> Tensor:
+    """Jagged causal HSTU attention with relative position and time biases (module docstring).
+
+    Args:
+        q, k: ``[T, H, dqk]`` and v: ``[T, H, dv]``, SiLU already applied; one dtype.
+        offsets: ``[B+1]`` integer, from 0 to T; rows may be empty.
+        max_len: the longest row's length (``≤ width``); the PyTorch path pads to it.
+        pos_weights: ``[2·width − 1]``; entry ``width − 1 + j − i`` biases query i, key j.
+        time_weights: ``[NB + 1]``; entry ``bucket(τ_i − t_j)`` biases query i, key j.
+        timestamps: ``[T]`` integer, each element's time (seconds).
+        query_times: ``[T]`` integer, the time each element's query is asked at.
+        width: the fixed divisor of the SiLU scores and the position weights' half-size.
+        kernel: one of :data:`IMPLS`; ``"triton"`` falls back to ``"pytorch"`` (one warning per
+            process) when Triton cannot take these tensors.
+
+    Returns:
+        ``[T, H, dv]`` in v's dtype, differentiable in q, k, v, pos_weights and time_weights (the
+        buckets are integers: no gradient reaches the times).
+    """
+    if kernel not in IMPLS:
+        raise ValueError(f"unknown kernel {kernel!r}; allowed values: {', '.join(IMPLS)}")
+    _validate(q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width)
+    if kernel == "triton":
+        reason = TRITON.unusable_reason(q, k, v, pos_weights, time_weights)
+        if reason is None:
+            return TRITON.module().hstu_attention_triton(
+                q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len,
+                pos_weights, time_weights, timestamps, query_times, width,
+            )
+        TRITON.warn_fallback("hstu_attention", reason, stacklevel=2)
+    return hstu_attention_reference(
+        q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width
+    )
