@@ -15,6 +15,7 @@ import yaml
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from recforge.contracts import accepted_contracts, declares
 from recforge.errors import UserInputError
 
 
@@ -47,8 +48,9 @@ def _name(kind: Any) -> str:
     return getattr(kind, "__name__", str(kind))
 
 
-def _implements(model_cls: type, contract: Any) -> bool:
-    return contract in getattr(model_cls, "implements", ())
+def _drives(task_cls: type, model_cls: type) -> bool:
+    """Whether the task drives a contract the model declares (a task may drive several)."""
+    return any(declares(model_cls, c) for c in accepted_contracts(task_cls))
 
 
 def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] | None = None) -> None:
@@ -67,13 +69,14 @@ def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] |
             f"model={model}: {', '.join(allowed) or 'none'}"
         )
 
-    contract = getattr(task_cls, "model_contract", None)
-    if contract is not None and not _implements(model_cls, contract):
+    contracts = accepted_contracts(task_cls)
+    if contracts and not _drives(task_cls, model_cls):
         raise IncompatibleConfigError(
-            f"model={model} with task={chosen['task']}: the task drives a {_name(contract)} but "
-            f"the model implements {', '.join(map(_name, getattr(model_cls, 'implements', ()))) or 'nothing declared'}; "
+            f"model={model} with task={chosen['task']}: the task drives a "
+            f"{' or '.join(map(_name, contracts))} but the model implements "
+            f"{', '.join(map(_name, getattr(model_cls, 'implements', ()))) or 'nothing declared'}; "
             f"task options for model={model}: "
-            f"{', '.join(_fitting(conf_dir, 'task', lambda t: _implements(model_cls, getattr(t, 'model_contract', None)))) or 'none'}"
+            f"{', '.join(_fitting(conf_dir, 'task', lambda t: _drives(t, model_cls))) or 'none'}"
         )
     batch_in, batch_out = getattr(task_cls, "batch_type", None), getattr(data_cls, "batch_type", None)
     if batch_in is not batch_out:

@@ -14,11 +14,13 @@ task -> evaluation    ``Task.evaluation_kind``                   ``Evaluation.ki
 ====================  =========================================  ======================================
 
 A model's ``implements`` is a promise checked structurally by the tests (an instance is an
-instance of each runtime-checkable Protocol it names).
+instance of each runtime-checkable Protocol it names). A task that can drive models of more than
+one contract declares them all (``model_contract`` a tuple) and asks :func:`declares` which one
+it holds; it never guesses from attributes.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -84,3 +86,48 @@ class SequenceModel(Protocol):
     def last_positions(self, outputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
 
     def __call__(self, items: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class TimedSequenceModel(Protocol):
+    """A :class:`SequenceModel` that also reads when things happened (HSTU's time bias).
+
+    ``forward(items [ΣL], offsets [B+1], timestamps [ΣL], query_times [ΣL]) -> [ΣL, D]``:
+    ``timestamps`` are the items' times (int64 seconds, non-decreasing within a row) and
+    ``query_times[p]`` the time of the event position p predicts: the next item's, and at a row's
+    last position the target's (training and evaluation alike, as the reference does: the
+    request time is known when a recommendation is asked for). Everything else as
+    :class:`SequenceModel`.
+    """
+
+    @property
+    def param_dtype(self) -> torch.dtype: ...
+
+    @property
+    def item_table(self) -> torch.Tensor: ...
+
+    def item_embeddings(self) -> torch.Tensor: ...
+
+    def last_positions(self, outputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(
+        self,
+        items: torch.Tensor,
+        offsets: torch.Tensor,
+        timestamps: torch.Tensor,
+        query_times: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+def accepted_contracts(task_or_cls: Any) -> tuple[Any, ...]:
+    """The contracts a task (class or instance) drives: its ``model_contract``, one or a tuple."""
+    contract = getattr(task_or_cls, "model_contract", None)
+    if contract is None:
+        return ()
+    return tuple(contract) if isinstance(contract, tuple) else (contract,)
+
+
+def declares(model_or_cls: Any, contract: Any) -> bool:
+    """Whether a model (class or instance) names ``contract`` in its ``implements``."""
+    cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
+    return contract in getattr(cls, "implements", ())

@@ -200,6 +200,37 @@ def test_no_user_left_is_a_clear_error(tmp_path):
     HistoryDataModule(prepared_dir=path, protocol="reference").setup()  # 3 events are enough
 
 
+def test_truncated_histories_are_counted_in_the_log(prepared, caplog):
+    caplog.set_level("INFO")
+    HistoryDataModule(prepared_dir=prepared, protocol="reference", max_seq_len=2).setup()
+    # reference rows: u0 train 4 / test 5 events before the target, u1 2 / 3, u2 1 / 2
+    assert "data.max_seq_len=2: histories cut to their most recent 2 items: train 1 of 3, test 2 of 3" \
+        in caplog.text
+
+
+@pytest.mark.parametrize("times,message", [
+    ([0, 1, 5, 3], r"user 'a' has timestamp 3 at event 3 after 5; expected each user's events in time order"),
+    ([0, 1, 2, -3], r"user 'a' has timestamp -3 at event 3; expected Unix seconds >= 0"),
+])
+def test_times_out_of_order_or_negative_are_refused_when_written_and_when_read(
+        tmp_path, monkeypatch, times, message):
+    """Such times would reach HSTU's time bias as wrong buckets, without a sign."""
+    from recforge.data.sequences import prepared as prepared_module
+    from recforge.data.sequences.prepared import PreparedDataError
+
+    histories = histories_of({"a": [0, 1, 2, 3], "b": [1, 2, 3]}, 4)
+    # the second user starting earlier than the first one ended is no disorder
+    broken = Histories(**{**histories.__dict__, "timestamps": np.array([*times, 0, 1, 2], np.int64)})
+    with pytest.raises(ValueError, match=message):
+        write_prepared(tmp_path / "p", broken, dataset="test", inputs=[], params={})
+    # a directory written without the check (another tool, an older version) is refused on load
+    monkeypatch.setattr(prepared_module, "_check_times", lambda h: None)
+    write_prepared(tmp_path / "p", broken, dataset="test", inputs=[], params={})
+    monkeypatch.undo()
+    with pytest.raises(PreparedDataError, match=r"^data\.prepared_dir=.*: histories: " + message):
+        HistoryDataModule(prepared_dir=str(tmp_path / "p")).setup()
+
+
 # ---------------------------------------------------------------------------- loaders
 def order_of(loader) -> list[int]:
     return [u for batch in loader for u in batch.users.tolist()]

@@ -291,6 +291,11 @@ BAD_INPUTS = [
      "line 1: expected at least 4 fields separated by ','"),
     ("amzn-books", "ratings_Books.csv", [], "line 1: the file is empty"),
     ("ml-20m", "ratings.csv", ["userId,movieId,rating,timestamp"], ": no data rows"),
+    # a negative time is a placeholder: HSTU's time bias would bucket it without a sign
+    ("ml-1m", "ratings.dat", ["1::1193::5::978300760", "1::661::3::-1"],
+     "line 2, column 4 (Timestamp): expected an integer timestamp (Unix seconds) >= 0, got -1"),
+    ("ml-20m", "ratings.csv", ["userId,movieId,rating,timestamp", "1,2,3.5,4", "", "1,3,3.5,-86400"],
+     "line 4, column 4 (timestamp): expected an integer timestamp (Unix seconds) >= 0, got -86400"),
 ]
 
 

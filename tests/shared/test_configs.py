@@ -50,6 +50,8 @@ EXPECTED = {
     ("gru4rec", "loss"): ["bpr", "bprmax", "top1", "top1max", "xe"],
     ("sasrec", "data"): ["amzn-books", "ml-1m", "ml-20m", "synthetic_histories"],
     ("sasrec", "loss"): ["full_softmax", "sampled_softmax"],
+    ("hstu", "data"): ["amzn-books", "ml-1m", "ml-20m", "synthetic_histories"],
+    ("hstu", "loss"): ["full_softmax", "sampled_softmax"],
 }
 MODELS = _options("model")
 

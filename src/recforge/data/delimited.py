@@ -74,10 +74,10 @@ class Col:
     """One column: ``key`` names it in the chunks, ``names`` are accepted header spellings (the
     first one names it in errors).
 
-    ``kind``: ``int`` (int64), ``float`` (float64; finite unless ``finite=False``), ``text`` (str;
-    ``""`` when empty and ``nonempty=False``), ``time`` (text parsed with ``time_format`` into int64
-    microseconds since the epoch, UTC). ``expected`` overrides the words errors use for a valid
-    value.
+    ``kind``: ``int`` (int64; at least ``minimum`` when given), ``float`` (float64; finite unless
+    ``finite=False``), ``text`` (str; ``""`` when empty and ``nonempty=False``), ``time`` (text
+    parsed with ``time_format`` into int64 microseconds since the epoch, UTC). ``expected``
+    overrides the words errors use for a valid value.
     """
 
     key: str
@@ -89,6 +89,7 @@ class Col:
     nonempty: bool = True
     finite: bool = True
     expected: str | None = None
+    minimum: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -394,6 +395,11 @@ def _typed(chunk: pd.DataFrame, located: _Located, chunksize: int | None) -> pd.
         if col.kind == "time":
             values = _parse_time(values, col)
         if col.kind == "int":
+            if col.minimum is not None and bool((values.to_numpy() < col.minimum).any()):
+                _diagnose(located, chunksize)  # names the first such line
+                raise located.error(
+                    f"{located.path}: {col.name!r} values below {col.minimum}", path=located.path
+                )
             continue
         bad = values.isna().to_numpy()
         if col.kind == "float" and col.finite:
@@ -446,6 +452,14 @@ def _report_first_bad(chunk: pd.DataFrame, located: _Located, cause: BaseExcepti
             i = int(np.argmax(bad))
             got = repr(text.iat[i]) if text.iat[i] else "an empty or missing field"
             problems.append((i, col.key, col, f"expected {col.expectation()}, got {got}"))
+        if col.kind == "int" and col.minimum is not None:
+            # NaN (unparsable, blank) compares False: those are reported above
+            parsed = pd.to_numeric(text.str.strip().where(~bad & ~blank), errors="coerce")
+            low = (parsed < col.minimum).to_numpy(dtype=bool)
+            if low.any():
+                i = int(np.argmax(low))
+                detail = f"expected {col.expectation()} >= {col.minimum}, got {text.iat[i].strip()}"
+                problems.append((i, col.key, col, detail))
         if col.kind == "int":
             too_long = ~bad & ~blank & (text.str.strip().str.lstrip("+-").str.len() > _SAFE_INT_DIGITS)
             for i in np.flatnonzero(too_long.to_numpy(dtype=bool)):

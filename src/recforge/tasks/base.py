@@ -25,8 +25,8 @@ class RecTask(L.LightningModule):
 
     Declarations a subclass makes (read by the config check before anything is built; see
     :mod:`recforge.contracts`): ``batch_type`` (the batch it trains on), ``model_contract``
-    (the Protocol its model implements), ``produces`` (the score layout its loss consumes),
-    ``evaluation_kind`` (the evaluation it feeds).
+    (the Protocol its model implements, or a tuple of those it can drive), ``produces`` (the
+    score layout its loss consumes), ``evaluation_kind`` (the evaluation it feeds).
 
     Args:
         optimizer: factory ``(params) -> torch.optim.Optimizer``.
@@ -38,7 +38,7 @@ class RecTask(L.LightningModule):
     """
 
     batch_type: ClassVar[type]
-    model_contract: ClassVar[type]
+    model_contract: ClassVar[type | tuple[type, ...]]
     produces: ClassVar[str]
     evaluation_kind: ClassVar[str]
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from recforge.config_values import Range
-from recforge.contracts import SEQUENCE_POSITIONS, SequenceModel
+from recforge.contracts import SEQUENCE_POSITIONS, SequenceModel, TimedSequenceModel, declares
 from recforge.data.batches import HistoryBatch
 from recforge.data.negatives import negatives_generator_seed
 from recforge.evaluation import FullRanking
@@ -27,9 +27,14 @@ class SequentialRetrievalTask(RecTask):
     ranked with the model's item vectors, the batch's exclusion lists (the history, as the data's
     ``exclude`` policy says) never counted (:class:`recforge.evaluation.FullRanking`).
 
+    A model declaring :class:`recforge.contracts.TimedSequenceModel` (HSTU) also gets the items'
+    timestamps and, per position, the time of the event it predicts (the next item's; at the
+    last position the target's, in training and in evaluation, as the reference does).
+
     Args:
         model: factory ``(n_items=..., max_sequence_length=...) -> nn.Module`` implementing
-            :class:`recforge.contracts.SequenceModel`.
+            :class:`recforge.contracts.SequenceModel` or
+            :class:`recforge.contracts.TimedSequenceModel`.
         loss: a ``SEQUENCE_POSITIONS`` loss (``SampledSoftmax``, ``FullSoftmax``); one with a
             ``manual_seed`` draws its negatives from a stream derived from (seed, DDP rank).
         optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm: see
@@ -40,7 +45,7 @@ class SequentialRetrievalTask(RecTask):
     """
 
     batch_type = HistoryBatch
-    model_contract = SequenceModel
+    model_contract = (SequenceModel, TimedSequenceModel)
     produces = SEQUENCE_POSITIONS
     evaluation_kind = FullRanking.kind
 
@@ -63,6 +68,7 @@ class SequentialRetrievalTask(RecTask):
             ignore=["model", "loss", "optimizer", "scheduler", "evaluation", "item_popularity"], logger=False
         )
         self.model = model(n_items=n_items, max_sequence_length=max_seq_len)
+        self.timed = declares(self.model, TimedSequenceModel)
         self.loss = loss
         self.n_items = int(n_items)
         self.seed = int(seed or 0)
@@ -74,10 +80,19 @@ class SequentialRetrievalTask(RecTask):
         if hasattr(self.loss, "manual_seed"):
             self.loss.manual_seed(negatives_generator_seed(self.seed, self.global_rank))
 
+    def encode(self, batch: HistoryBatch) -> torch.Tensor:
+        """The model's vector at every position of the batch, ``[ΣL, D]``."""
+        if not self.timed:
+            return self.model(batch.items, batch.offsets)
+        # the time of what each position predicts: the same shift as the positives', applied to
+        # the times (next item's time, the target's at a row's last position)
+        query_times = next_item_positives(batch.timestamps, batch.offsets, batch.target_timestamps)
+        return self.model(batch.items, batch.offsets, batch.timestamps, query_times)
+
     # ------------------------------------------------------------------ training
     def train_loss(self, batch: HistoryBatch) -> torch.Tensor:
         """The loss of one batch, every position supervised (no update: training_step makes it)."""
-        outputs = self.model(batch.items, batch.offsets)
+        outputs = self.encode(batch)
         positives = next_item_positives(batch.items, batch.offsets, batch.targets)
         return self.loss(outputs, positives, self.model.item_table)
 
@@ -90,7 +105,7 @@ class SequentialRetrievalTask(RecTask):
 
     # ------------------------------------------------------------------ evaluation
     def _rank_targets(self, batch: HistoryBatch, split: str) -> None:
-        queries = self.model.last_positions(self.model(batch.items, batch.offsets), batch.offsets)
+        queries = self.model.last_positions(self.encode(batch), batch.offsets)
         self.evaluation.update(
             split, queries, self.model.item_embeddings(), None, batch.targets,
             exclude_items=batch.exclude_items, exclude_offsets=batch.exclude_offsets,

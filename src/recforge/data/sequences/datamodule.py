@@ -59,7 +59,7 @@ class HistoryDataModule(L.LightningDataModule):
     ``protocol`` cuts users into splits (:mod:`recforge.data.sequences.splits`): ``loo`` has
     train, validation and test; ``reference`` train and test only. Users with too few events for
     it are dropped (the log says how many). Histories keep their ``max_seq_len`` most recent
-    items. Evaluation batches carry the items never ranked for each row, per ``exclude``:
+    items (the log counts the histories cut). Evaluation batches carry the items never ranked for each row, per ``exclude``:
     ``history`` (the truncated history the model sees, the reference's choice), ``all_seen``
     (every item before the target) or ``none``.
 
@@ -177,6 +177,14 @@ class HistoryDataModule(L.LightningDataModule):
                          self.protocol, dropped, histories.n_users, need)
             log.info("protocol %s: %s rows", self.protocol,
                      ", ".join(f"{name} {len(rows)}" for name, rows in splits.items()))
+            # truncation is the models' contract (the reference keeps the most recent items), but
+            # how much of the data it drops is worth a line
+            cut = {name: int(np.count_nonzero(rows.targets - rows.starts > self.max_seq_len))
+                   for name, rows in splits.items()}
+            if any(cut.values()):
+                log.info("data.max_seq_len=%d: histories cut to their most recent %d items: %s",
+                         self.max_seq_len, self.max_seq_len,
+                         ", ".join(f"{name} {n} of {len(splits[name])}" for name, n in cut.items()))
             self._splits = splits
         return self._splits
 

@@ -222,6 +222,31 @@ def _check_consistent(h: Histories) -> None:
         raise ValueError(f"histories: item indices outside [0, {h.n_items})")
     if len(h.item_counts) != h.n_items:
         raise ValueError("histories: one count per catalogue item expected")
+    _check_times(h)
+
+
+def _check_times(h: Histories) -> None:
+    """Each user's times non-negative and non-decreasing: models read them as event order and
+    HSTU's time bias buckets their differences, where a wrong order would go unnoticed."""
+    times = h.timestamps
+    if not len(times):
+        return
+    if times.min() < 0:
+        i = int(np.argmax(times < 0))
+        user = int(np.searchsorted(h.offsets, i, side="right")) - 1
+        raise ValueError(f"histories: user {h.users[user]!r} has timestamp {int(times[i])} at event "
+                         f"{i - int(h.offsets[user])}; expected Unix seconds >= 0")
+    starts_user = np.zeros(len(times), dtype=bool)
+    starts_user[h.offsets[:-1][h.offsets[:-1] < len(times)]] = True
+    back = (times[1:] < times[:-1]) & ~starts_user[1:]
+    if back.any():
+        i = int(np.argmax(back)) + 1
+        user = int(np.searchsorted(h.offsets, i, side="right")) - 1
+        raise ValueError(
+            f"histories: user {h.users[user]!r} has timestamp {int(times[i])} at event "
+            f"{i - int(h.offsets[user])} after {int(times[i - 1])}; expected each user's events "
+            "in time order"
+        )
 
 
 def load_prepared(directory: str | os.PathLike[str], what: str = "prepared_dir") -> Histories:

@@ -68,8 +68,9 @@ def _rating_cols(id_kind: str, item_word: str) -> dict[str, Col]:
         "user": Col("user", id_kind, ("user",), expected=ids.format("user")),
         "item": Col("item", id_kind, ("item",), expected=ids.format(item_word)),
         "rating": Col("rating", "float", ("rating",), expected="a rating (a finite number)"),
+        # a negative time is a placeholder, not a date: HSTU's time bias would bucket it silently
         "timestamp": Col("timestamp", "int", ("timestamp",),
-                         expected="an integer timestamp (Unix seconds)"),
+                         expected="an integer timestamp (Unix seconds)", minimum=0),
     }
 
 
