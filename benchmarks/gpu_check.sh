@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 3 in one prepared run (10-15 minutes on one GPU), for a session that
+# The GPU checks of issues 3 and 10 in one prepared run (10-15 minutes on one GPU), for a session that
 # is lent a device: the Triton kernels compiled for real and compared with their PyTorch twins,
 # the score-and-rank kernel against the PyTorch path, the row-wise optimizer step against its
 # twin, and GRU4Rec training mini-batches/s at B=32..256 with PyTorch ops and with every kernel.
@@ -14,7 +14,7 @@ set -uo pipefail
 out=${1:-${OUT:-outputs/gpu_check}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-steps=" ${STEPS:-1 2 3 4} "
+steps=" ${STEPS:-1 2 3 4 5} "
 run_step() { [[ $steps == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline
 if compgen -G "wheels/*" > /dev/null; then
@@ -42,4 +42,17 @@ run_step 4 && for kernel in pytorch triton; do
     --batch-sizes 32,64,128,256 --windows 3 --steps 150 --warmup 30 --eval-batches 20 \
     --override loss.kernel=$kernel --override evaluation.kernel=$kernel --override optimizer.kernel=$kernel \
     2>&1 | grep -v '^{' | tail -14 | tee "$out/throughput_$kernel.txt"
+done
+# 5. HSTU (issue 10): its two kernels against their twins on the GPU, the attention table (Triton vs
+# padded PyTorch vs SDPA, forward+backward time and peak memory, L = 256..8192), and training
+# sequences/s of the ml-20m HSTU config on synthetic histories of the same shape, per kernel
+run_step 5 && timeout 240 "$py" -m pytest -q tests/hstu/test_hstu_attention_triton.py tests/hstu/test_hstu_output.py \
+  tests/hstu/test_hstu_oracle.py 2>&1 | tail -8 | tee "$out/hstu_tests.txt"
+run_step 5 && timeout 300 "$py" benchmarks/hstu_attention_bench.py 2>&1 | tee "$out/hstu_attention.txt"
+run_step 5 && for kernel in pytorch triton; do
+  timeout 240 "$py" benchmarks/sequential_throughput.py --experiment hstu_ml-20m --threads 4 --no-eval \
+    --override data=synthetic_histories --override data.generator.n_users=20000 \
+    --override data.generator.n_items=26744 --device cuda \
+    --override model.attention.kernel=$kernel --override model.output.kernel=$kernel \
+    2>&1 | tail -4 | tee "$out/hstu_ml20m_$kernel.txt"
 done

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training sequences/s and evaluation users/s of a sequential recommender (SASRec by default)
+"""Training sequences/s and evaluation users/s of a sequential recommender (SASRec by default, HSTU)
 through recforge's real code path: ``recforge.pipeline.build``, then the task's public
 ``train_loss`` + an optimizer step (the update ``training_step`` makes, without Lightning's loop)
 and its ``test_step`` over the test split.
@@ -12,6 +12,7 @@ line. Other jobs on the box skew the minimum less than the median: compare runs 
 alternately.
 
     python benchmarks/sequential_throughput.py                      # SASRec, ml-1m prefix
+    python benchmarks/sequential_throughput.py --experiment hstu_ml-1m   # or hstu_large_ml-1m
     python benchmarks/sequential_throughput.py --override loss.shared_negatives=true
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="training batches per window")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-eval", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the task and its batches are moved there)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     return p.parse_args(argv)
 
@@ -49,7 +51,7 @@ def _config(args, workdir: Path):
 
     ml1m = Path(args.shared_data) / "ml-1m"
     overrides = [f"experiment={args.experiment}", "data.protocol=reference"]
-    if args.experiment == "sasrec_ml-1m":
+    if args.experiment.endswith("ml-1m"):
         if not (ml1m / "ratings.partial.dat.gz").is_file():
             sys.exit(f"the ml-1m prefix is not at {ml1m} (set --shared-data or RECFORGE_SHARED_DATA)")
         overrides.append(f"data.ratings_path={ml1m / 'ratings.partial.dat.gz'}")
@@ -86,16 +88,22 @@ def main(argv=None) -> int:
         datamodule, task = build(cfg)
         datamodule.setup("fit")
         datamodule.setup("test")
+        device = torch.device(args.device)
+        task.to(device)
         optimizer = task.optimizer_factory(params=task.parameters())
-        train_batches = list(datamodule.train_dataloader())
-        test_batches = list(datamodule.test_dataloader())
+        train_batches = [b.to(device) for b in datamodule.train_dataloader()]
+        test_batches = [b.to(device) for b in datamodule.test_dataloader()]
         needed = args.warmup + args.windows * args.steps
         if len(train_batches) < needed:
             train_batches = (train_batches * (needed // len(train_batches) + 1))[:needed]
         mean_len = float(torch.cat([b.lengths for b in train_batches]).float().mean())
         print(f"# {args.experiment}, {datamodule.task_inputs()['n_items']} items, "
               f"{sum(b.size for b in test_batches)} test users, mean training history {mean_len:.1f}; "
-              f"torch {torch.__version__}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+              f"torch {torch.__version__}, {args.device}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+
+        def sync() -> None:  # a window ends when the device has finished its work
+            if device.type == "cuda":
+                torch.cuda.synchronize()
 
         def train_step(batch) -> None:
             loss = task.train_loss(batch)  # what training_step optimises
@@ -115,6 +123,7 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             for batch in window:
                 train_step(batch)
+            sync()
             train_rates.append(sum(b.size for b in window) / (time.perf_counter() - start))
             if args.no_eval:
                 continue
@@ -124,6 +133,7 @@ def main(argv=None) -> int:
                 for i, batch in enumerate(test_batches):
                     task.test_step(batch, i)
                 task.evaluation.compute_and_reset("test")
+            sync()
             eval_rates.append(sum(b.size for b in test_batches) / (time.perf_counter() - start))
         result = {"benchmark": "sequential_throughput", "experiment": args.experiment,
                   "overrides": args.override, "threads": args.threads,
