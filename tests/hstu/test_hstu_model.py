@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import most_popular_hr
+
 from recforge.kernels.hstu_attention import hstu_attention, time_buckets
 from recforge.losses.sampled_softmax import SampledSoftmax, next_item_positives
 from recforge.models.hstu import HSTU
@@ -372,22 +374,6 @@ def test_task_feeds_times_in_training_and_evaluation(make_cfg):
         inner = torch.ones(len(timestamps), dtype=torch.bool)
         inner[last] = False
         assert torch.equal(query_times[inner], batch.timestamps.roll(-1)[inner])
-
-
-def most_popular_hr(datamodule, k: int) -> float:
-    """HR@k of ranking by training popularity, history excluded, ties against the target."""
-    import numpy as np
-
-    popularity = datamodule.task_inputs()["item_popularity"].astype(np.float64)
-    hits = []
-    for batch in datamodule.test_dataloader():
-        for b in range(batch.size):
-            lo, hi = batch.exclude_offsets[b], batch.exclude_offsets[b + 1]
-            excluded = set(batch.exclude_items[lo:hi].tolist())
-            target = int(batch.targets[b])
-            others = np.array([j for j in range(len(popularity)) if j != target and j not in excluded])
-            hits.append(1 + np.sum(popularity[others] >= popularity[target]) <= k)
-    return float(np.mean(hits))
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import most_popular_hr
+
 from recforge.pipeline import build, train
 
 SMALL = ["model=sasrec", "data.generator.n_users=300", "data.generator.n_items=200",
@@ -55,19 +57,6 @@ def test_validation_metrics_equal_a_brute_force_ranking(make_cfg):
     assert got.keys() == want.keys()
     for key in want:
         assert got[key] == pytest.approx(want[key], abs=1e-6), key
-
-
-def most_popular_hr(datamodule, k: int) -> float:
-    """HR@k of ranking by training popularity, history excluded, ties against the target (numpy)."""
-    popularity = datamodule.task_inputs()["item_popularity"].astype(np.float64)
-    hits = []
-    for batch in datamodule.test_dataloader():
-        for b in range(batch.size):
-            excluded = set(batch.exclude_items[batch.exclude_offsets[b]:batch.exclude_offsets[b + 1]].tolist())
-            target = int(batch.targets[b])
-            others = np.array([j for j in range(len(popularity)) if j != target and j not in excluded])
-            hits.append(1 + np.sum(popularity[others] >= popularity[target]) <= k)
-    return float(np.mean(hits))
 
 
 @pytest.mark.slow

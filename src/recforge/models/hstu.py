@@ -33,7 +33,7 @@ from recforge.contracts import TimedSequenceModel
 from recforge.kernels.hstu_attention import hstu_attention
 from recforge.kernels.hstu_output import hstu_output
 from recforge.kernels.twin import KernelChoice, KernelImpl
-from recforge.models.sasrec import SASRec, jagged_positions
+from recforge.models.item_sequence import ItemSequenceEncoder
 
 # The reference's epsilon for both LayerNorms of a layer (SequentialTransductionUnitJagged's).
 _LN_EPS = 1e-6
@@ -119,7 +119,7 @@ def _kernel_of(part: str, choice: KernelChoice | None) -> KernelImpl:
     return kernel
 
 
-class HSTU(nn.Module):
+class HSTU(ItemSequenceEncoder):
     """HSTU encoder over jagged, timed histories, with the item table it shares with the loss.
 
     ``forward(items [ΣL], offsets [B+1], timestamps [ΣL], query_times [ΣL]) -> [ΣL, D]``: row
@@ -146,6 +146,7 @@ class HSTU(nn.Module):
     """
 
     implements = (TimedSequenceModel,)
+    name = "HSTU"
 
     def __init__(
         self,
@@ -164,19 +165,13 @@ class HSTU(nn.Module):
         attention: KernelChoice | None = None,
         output: KernelChoice | None = None,
     ) -> None:
-        super().__init__()
         attention_kernel = _kernel_of("attention", attention)
         output_kernel = _kernel_of("output", output)
-        self.n_items = int(n_items)
-        self.embedding_dim = int(embedding_dim)
-        self.dropout_rate = float(dropout_rate)
-        self.max_sequence_length = int(max_sequence_length)
-        self.width = self.max_sequence_length + int(extra_positions)
-        self.l2_norm_eps = float(l2_norm_eps)
-        self.item_emb = nn.Embedding(self.n_items, self.embedding_dim)
-        self.pos_emb = nn.Embedding(self.width, self.embedding_dim)
+        width = int(max_sequence_length) + int(extra_positions)
+        super().__init__(n_items, embedding_dim, width, max_sequence_length, dropout_rate, l2_norm_eps)
+        self.width = width
         self.layers = nn.ModuleList(
-            HSTULayer(self.embedding_dim, int(num_heads), int(dqk), int(dv), self.width,
+            HSTULayer(self.embedding_dim, int(num_heads), int(dqk), int(dv), width,
                       int(num_time_buckets), float(linear_dropout_rate), attention_kernel,
                       output_kernel)
             for _ in range(int(num_blocks))
@@ -185,27 +180,12 @@ class HSTU(nn.Module):
 
     def reset_parameters(self) -> None:
         """Re-draw every parameter as the reference does (see the class docstring; the truncated
-        normal is the exact one, as in :meth:`SASRec.reset_parameters`)."""
+        normal is the exact one, as in :meth:`recforge.models.sasrec.SASRec.reset_parameters`)."""
         std = 0.02
         nn.init.trunc_normal_(self.item_emb.weight, std=std, a=-2 * std, b=2 * std)
         nn.init.xavier_normal_(self.pos_emb.weight)
         for layer in self.layers:
             layer.reset_parameters()
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.item_emb.weight.dtype
-
-    @property
-    def item_table(self) -> nn.Parameter:
-        """The raw item table ``[n_items, D]``: the inputs' embeddings and the loss's items."""
-        return self.item_emb.weight
-
-    def item_embeddings(self, normalize: bool = True) -> torch.Tensor:
-        """The catalogue's vectors for scoring ``[n_items, D]``: L2-normalised (what the reference
-        ranks against), or with ``normalize=False`` the raw table (a Parameter)."""
-        table = self.item_emb.weight
-        return F.normalize(table, dim=-1, eps=self.l2_norm_eps) if normalize else table
 
     def forward(
         self,
@@ -234,15 +214,10 @@ class HSTU(nn.Module):
                 "histories to their most recent max_sequence_length items"
             )
         _check_times(timestamps, query_times, offsets, total)
-        _, positions = jagged_positions(offsets, total)
-        x = self.item_emb(items) * math.sqrt(self.embedding_dim) + self.pos_emb(positions)
-        # The reference then zeroes padded rows: there are none.
-        x = F.dropout(x, self.dropout_rate, self.training)
+        x, max_len, _, _ = self.embed_inputs(items, offsets)
         for layer in self.layers:
             x = layer(x, offsets, max_len, timestamps, query_times)
-        return F.normalize(x, dim=-1, eps=self.l2_norm_eps)
-
-    last_positions = staticmethod(SASRec.last_positions)
+        return self.output(x)
 
     def encode_last(
         self, items: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,

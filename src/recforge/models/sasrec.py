@@ -26,22 +26,10 @@ from torch.nn import functional as F
 
 from recforge.config_values import Range
 from recforge.contracts import SequenceModel
+from recforge.models.item_sequence import ItemSequenceEncoder
 
 # The reference's LayerNorms (F.layer_norm in SASRec._run_one_layer): no affine, this eps.
 _LN_EPS = 1e-8
-
-
-def jagged_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and position (0 = oldest item) of every element of a jagged batch.
-
-    offsets ``[B+1]`` int64, total = ΣL -> (rows ``[ΣL]``, positions ``[ΣL]``), both int64.
-    """
-    lengths = offsets[1:] - offsets[:-1]
-    rows = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total
-    )
-    positions = torch.arange(total, device=offsets.device) - offsets[:-1][rows]
-    return rows, positions
 
 
 class SASRecBlock(nn.Module):
@@ -135,7 +123,7 @@ class SASRecBlock(nn.Module):
         return h_in + F.dropout(self.ffn_out(hidden), p, self.training)
 
 
-class SASRec(nn.Module):
+class SASRec(ItemSequenceEncoder):
     """SASRec encoder over jagged histories, with the item table it shares with the loss.
 
     ``forward(items [ΣL], offsets [B+1]) -> [ΣL, D]``: row ``offsets[b] + p`` is user b's vector
@@ -158,6 +146,7 @@ class SASRec(nn.Module):
     """
 
     implements = (SequenceModel,)
+    name = "SASRec"
 
     def __init__(
         self,
@@ -173,15 +162,8 @@ class SASRec(nn.Module):
         extra_positions: Annotated[int, Range(ge=0)] = 11,
         l2_norm_eps: Annotated[float, Range(gt=0)] = 1e-6,
     ) -> None:
-        super().__init__()
-        self.n_items = int(n_items)
-        self.embedding_dim = int(embedding_dim)
-        self.dropout_rate = float(dropout_rate)
-        self.max_sequence_length = int(max_sequence_length)
-        self.l2_norm_eps = float(l2_norm_eps)
-        self.item_emb = nn.Embedding(self.n_items, self.embedding_dim)
-        n_positions = self.max_sequence_length + int(extra_positions)
-        self.pos_emb = nn.Embedding(n_positions, self.embedding_dim)
+        super().__init__(n_items, embedding_dim, int(max_sequence_length) + int(extra_positions),
+                         max_sequence_length, dropout_rate, l2_norm_eps)
         self.blocks = nn.ModuleList(
             SASRecBlock(self.embedding_dim, int(num_heads), int(ffn_hidden_dim), ffn_activation,
                         float(ffn_dropout_rate))
@@ -203,60 +185,17 @@ class SASRec(nn.Module):
         for block in self.blocks:
             block.reset_parameters()
 
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.item_emb.weight.dtype
-
-    @property
-    def item_table(self) -> nn.Parameter:
-        """The raw item table ``[n_items, D]``: the inputs' embeddings and the loss's items."""
-        return self.item_emb.weight
-
-    def item_embeddings(self, normalize: bool = True) -> torch.Tensor:
-        """The catalogue's vectors for scoring ``[n_items, D]``.
-
-        ``normalize=True``: L2-normalised (norm clamped at ``l2_norm_eps``), what the reference
-        ranks against (its evaluation and its loss normalise the items, ``item_l2_norm=True``),
-        so a query's dot product with them is a cosine. ``False``: the raw table (a Parameter:
-        what the loss takes, so gradients reach it).
-        """
-        table = self.item_emb.weight
-        return F.normalize(table, dim=-1, eps=self.l2_norm_eps) if normalize else table
-
     def forward(self, items: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """items ``[ΣL]`` int64 in [0, n_items), offsets ``[B+1]`` int64 -> ``[ΣL, D]`` unit rows.
 
         Rows may be empty. Histories longer than the position table are refused (the data
         module truncates to the most recent ``max_sequence_length`` items).
         """
-        total = items.numel()
-        batch_size = offsets.numel() - 1
-        rows, positions = jagged_positions(offsets, total)
-        max_len = int((offsets[1:] - offsets[:-1]).max()) if batch_size > 0 and total > 0 else 0
-        if max_len > self.pos_emb.num_embeddings:
-            raise ValueError(
-                f"a history has {max_len} items but SASRec has {self.pos_emb.num_embeddings} "
-                f"positions (max_sequence_length={self.max_sequence_length} plus extra): "
-                "truncate histories to their most recent max_sequence_length items"
-            )
-        x = self.item_emb(items) * math.sqrt(self.embedding_dim) + self.pos_emb(positions)
-        # The reference then zeroes padded rows (here and after every block): there are none.
-        x = F.dropout(x, self.dropout_rate, self.training)
+        x, max_len, rows, positions = self.embed_inputs(items, offsets)
         pad_index = rows * max_len + positions
         for block in self.blocks:
-            x = block(x, pad_index, batch_size, max_len)
-        return F.normalize(x, dim=-1, eps=self.l2_norm_eps)
-
-    @staticmethod
-    def last_positions(outputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Each row's last vector: outputs ``[ΣL, D]``, offsets ``[B+1]`` -> ``[B, D]``.
-
-        The evaluation query (the reference's ``get_current_embeddings``). Every row needs at
-        least one item.
-        """
-        if offsets.numel() > 1 and bool((offsets[1:] <= offsets[:-1]).any()):
-            raise ValueError("last_positions needs every history to have at least one item")
-        return outputs.index_select(0, offsets[1:] - 1)
+            x = block(x, pad_index, offsets.numel() - 1, max_len)
+        return self.output(x)
 
     def encode_last(self, items: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """items ``[ΣL]``, offsets ``[B+1]`` -> each row's query ``[B, D]`` (unit rows)."""
