@@ -114,6 +114,8 @@ def test_ddp_two_cpu_processes_split_users_and_reduce_metrics(make_cfg, tmp_path
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
+    # epochs shorter than log_every_n_steps are normal here (known noise, recforge.utils.quiet)
+    assert "smaller than the logging interval" not in done.stderr
     (run_dir,) = (log_dir / "train" / "runs").iterdir()
     trained = json.loads((run_dir / "metrics.json").read_text())
     ckpt = trained["test_checkpoint"]

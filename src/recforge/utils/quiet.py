@@ -16,6 +16,9 @@ KNOWN_WARNINGS = [
      "ranking metrics are reduced across ranks inside RankingMetrics before they are logged"),
     (r".*callbacks used to create the checkpoint need", Warning,
      "testing a checkpoint restores weights and data state only; training callbacks are not needed"),
+    (r"The number of training batches \(\d+\) is smaller than the logging interval", Warning,
+     "short epochs (ml-1m: 24 batches) log the step loss less often; the epoch's mean loss and every "
+     "evaluation metric are logged at each epoch's end all the same"),
 ]
 
 # Lightning's advertisements, logged at INFO on every run (litlogger, litmodels).
