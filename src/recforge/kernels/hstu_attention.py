@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from recforge.kernels.jagged import jagged_positions
 from recforge.kernels.twin import TritonTwin
 
 __all__ = ["IMPLS", "LOG_BUCKET_DIVISOR", "hstu_attention", "hstu_attention_reference", "time_buckets"]
@@ -97,15 +98,6 @@ class _Unpad(torch.autograd.Function):
         return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_copy_(0, slot, grad), None
 
 
-def _rows_and_positions(offsets: Tensor, total: int) -> tuple[Tensor, Tensor]:
-    """offsets ``[B+1]`` -> (row ``[T]``, position within the row ``[T]``), int64."""
-    lengths = offsets[1:] - offsets[:-1]
-    rows = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total
-    )
-    return rows, torch.arange(total, device=offsets.device) - offsets[:-1][rows]
-
-
 def hstu_attention_reference(
     q: Tensor,
     k: Tensor,
@@ -129,7 +121,7 @@ def hstu_attention_reference(
     """
     total, heads, _ = q.shape
     batch = offsets.numel() - 1
-    rows, positions = _rows_and_positions(offsets.long(), total)
+    rows, positions = jagged_positions(offsets, total)
     slot = rows * max_len + positions
 
     def padded(values: Tensor) -> Tensor:

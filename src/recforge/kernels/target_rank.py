@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from recforge.kernels.jagged import jagged_positions
 from recforge.kernels.twin import TritonTwin
 
 __all__ = ["IMPLS", "sorted_exclusions", "target_rank_counts", "target_rank_counts_reference"]
@@ -149,9 +150,7 @@ def sorted_exclusions(
     device = targets.device
     items = exclude_items.long()
     offsets = exclude_offsets.long()
-    rows = torch.repeat_interleave(
-        torch.arange(n_rows, device=device), offsets.diff(), output_size=items.shape[0]
-    )
+    rows, _ = jagged_positions(offsets, items.shape[0])
     keep = items != targets.long()[rows]
     # one int64 key per pair: sorting it orders by row then item, and unique drops duplicates
     # (B * N stays far below 2**63 for any catalogue that fits in memory)

@@ -14,18 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-def jagged_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and position (0 = oldest item) of every element of a jagged batch.
-
-    offsets ``[B+1]`` int64, total = ΣL -> (rows ``[ΣL]``, positions ``[ΣL]``), both int64.
-    """
-    lengths = offsets[1:] - offsets[:-1]
-    rows = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total
-    )
-    positions = torch.arange(total, device=offsets.device) - offsets[:-1][rows]
-    return rows, positions
+from recforge.kernels.jagged import jagged_positions
 
 
 class ItemSequenceEncoder(nn.Module):
