@@ -119,6 +119,24 @@ class TimedSequenceModel(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class CTRModel(Protocol):
+    """A click-through-rate model over Criteo-shaped rows (DLRM).
+
+    ``forward(dense [B, n_dense] float32, sparse [B, n_sparse] int64) -> [B]`` click logits;
+    ``sparse[:, f]`` are row indices into feature f's table (``[0, cardinalities[f])``).
+    ``sparse_parameters()``: the embedding tables' parameters (the optimiser may treat them
+    apart: sparse gradients, row-wise Adagrad).
+    """
+
+    @property
+    def param_dtype(self) -> torch.dtype: ...
+
+    def sparse_parameters(self) -> list[torch.nn.Parameter]: ...
+
+    def __call__(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor: ...
+
+
 def accepted_contracts(task_or_cls: Any) -> tuple[Any, ...]:
     """The contracts a task (class or instance) drives: its ``model_contract``, one or a tuple."""
     contract = getattr(task_or_cls, "model_contract", None)

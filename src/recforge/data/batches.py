@@ -135,3 +135,30 @@ class HistoryBatch:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
         return HistoryBatch(*(move(getattr(self, f.name)) for f in fields(self)))
+
+
+@dataclass
+class CTRBatch:
+    """Criteo-shaped rows for click-through-rate prediction (DLRM).
+
+    ``dense[b]`` are row b's numerical features after the data's transform (log(1 + x) of the
+    value clipped at 0, missing = 0); ``sparse[b, f]`` the index of its categorical feature f in
+    that feature's table (``[0, cardinalities[f])``, missing and rare values have their own
+    indices, as the data's metadata says); ``labels[b]`` 1.0 for a click, 0.0 otherwise.
+
+    Shapes: dense ``[B, n_dense]`` float32; sparse ``[B, n_sparse]`` int64; labels ``[B]`` float32.
+    """
+
+    dense: torch.Tensor
+    sparse: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> CTRBatch:
+        """The batch on ``device`` (itself when already there)."""
+        if self.labels.device == torch.device(device):
+            return self
+        return CTRBatch(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))

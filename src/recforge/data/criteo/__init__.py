@@ -1,0 +1,1 @@
+"""Criteo click logs for DLRM: raw text to prepared parquet, and the data module that streams it."""
