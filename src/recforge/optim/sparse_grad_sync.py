@@ -18,11 +18,12 @@ from torch import nn
 
 
 def sparse_parameter_names(module: nn.Module) -> list[str]:
-    """Names (relative to ``module``) of the weights of its sparse-gradient embeddings."""
+    """Names (relative to ``module``) of the weights of its sparse-gradient embeddings (tables
+    and bags)."""
     return [
         f"{name}.weight" if name else "weight"
         for name, sub in module.named_modules()
-        if isinstance(sub, nn.Embedding) and sub.sparse
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
     ]
 
 
