@@ -28,6 +28,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from recforge.kernels import dot_interaction_triton as dot_inter  # noqa: E402
+from recforge.kernels.dot_interaction import n_pairs  # noqa: E402
 from recforge.kernels import hstu_attention_triton as hstu_attn  # noqa: E402
 from recforge.kernels import hstu_output_triton as hstu_out  # noqa: E402
 from recforge.kernels import rowwise_adagrad_triton as rowwise  # noqa: E402
@@ -82,7 +84,7 @@ def _source(recorder: Recorder, args, kwargs, overrides: dict) -> tuple[ASTSourc
 def _launches() -> list[tuple[str, Recorder, tuple, dict, dict]]:
     """Call every wrapper the way a GPU run would, recording each kernel launch."""
     recorders = {}
-    for module in (sampled, ranking, rowwise, hstu_out, hstu_attn):
+    for module in (sampled, ranking, rowwise, hstu_out, hstu_attn, dot_inter):
         for name in dir(module):
             obj = getattr(module, name)
             if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
@@ -189,6 +191,24 @@ def _launches() -> list[tuple[str, Recorder, tuple, dict, dict]]:
             lambda: hstu_attn.hstu_attention_triton(
                 q, k, v, offsets, 200, pos_w, time_w, times, times + 1, 211, config=config
             ).backward(torch.randn(n_tok, 2, dim, generator=gen)),
+        )
+    # DLRM dot interaction (Gram matrix, triangle and concat; backward (G + Gᵀ) T): 26 tables at the
+    # Kaggle d = 16 (fp32), MLPerf's d = 128 with the diagonal (fp32) and d = 64 in bf16 (tensor
+    # cores), and the largest tiles the kernels take (F = MAX_F, d = MAX_D), forward and backward.
+    for n_emb, dim, dtype, itself in (
+        (26, 16, torch.float32, False), (26, 128, torch.float32, True), (26, 64, torch.bfloat16, False),
+        (dot_inter.MAX_F - 1, dot_inter.MAX_D, torch.float32, True),
+    ):  # fmt: skip
+        dense = torch.randn(8, dim, generator=gen).to(dtype)
+        emb = torch.randn(8, n_emb, dim, generator=gen).to(dtype)
+        grad = torch.randn(8, dim + n_pairs(n_emb + 1, itself), generator=gen).to(dtype)
+        config = dot_inter._config(n_emb + 1, dim, on_gpu=True)
+        record(
+            f"dot_interaction/F={n_emb + 1}/d={dim}/{dtype}/itself={itself}",
+            lambda: (
+                dot_inter.dot_interaction_forward(dense, emb, itself, config),
+                dot_inter.dot_interaction_backward(grad, dense, emb, itself, config),
+            ),
         )
     return cases
 

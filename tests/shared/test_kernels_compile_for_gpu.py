@@ -25,6 +25,7 @@ KERNELS = {
     "_target_rank_kernel", "_sparse_adagrad_momentum_kernel",
     "_hstu_output_fwd_kernel", "_hstu_output_bwd_kernel",
     "_hstu_fwd_kernel", "_hstu_bwd_dkdv_kernel", "_hstu_bwd_dq_kernel",
+    "_dot_interaction_fwd_kernel", "_dot_interaction_bwd_kernel",
 }  # fmt: skip
 # Ampere (A100/A30, where the reference GRU4Rec speed figures were taken) and Hopper (H100/H200)
 ARCHS = (80, 90)
@@ -51,8 +52,9 @@ def test_every_kernel_and_variant_compiles_to_a_cubin(compiled):
     assert {r["launch"].rsplit("/", 1)[1] for r in compiled} == KERNELS
     # per arch, loss: 2 dtypes x 2 variants x (forward, backward) x 2 losses; rank: 2 B x 2 dtypes x
     # bias; optimizer: 2 widths x momentum on/off; HSTU output: 2 widths x dropout on/off x
-    # (forward, backward); HSTU attention: 3 head dims x (forward, dK/dV, dQ)
-    assert len(compiled) == len(ARCHS) * (16 + 8 + 4 + 8 + 9)
+    # (forward, backward); HSTU attention: 3 head dims x (forward, dK/dV, dQ); DLRM dot interaction:
+    # 4 (F, d, dtype, diagonal) cases x (forward, backward)
+    assert len(compiled) == len(ARCHS) * (16 + 8 + 4 + 8 + 9 + 8)
     assert {r["arch"] for r in compiled} == set(ARCHS)
     assert all(r["cubin_bytes"] > 0 for r in compiled)
 
