@@ -4,13 +4,14 @@ After facebookresearch/dlrm's ``DLRM_Net`` (spec §2), split like torchrec's ``m
 
 * :class:`DenseArch`, the bottom MLP: ``dense [B, n_dense] -> [B, d]``, Linear + ReLU after every
   layer, the last one included (the reference's ``bot_l``; 13-512-256-64-16 on Kaggle);
+  optionally batch norm and dropout in its hidden layers (BARS / FuxiCTR, see :class:`DenseArch`);
 * :class:`SparseArch`: one table per categorical feature, one id per row (a sum-pooled bag of one),
   ``sparse [B, F_e] -> [B, F_e, d]``;
 * an interaction over the bottom output and the embeddings: :class:`DotInteraction` (the
   reference's pairwise dots, 27 vectors -> ``d + 351``), :class:`CatInteraction`
   (``[B, 27 d]``) or :class:`DCNv2Interaction` (torchrec's low-rank cross network, DLRM-DCNv2);
 * :class:`OverArch`, the top MLP: Linear + ReLU between layers, a last Linear to one logit (no
-  sigmoid: the loss takes logits).
+  sigmoid: the loss takes logits); optionally batch norm and dropout in its hidden layers.
 
 Plain nn.Module, no Lightning. :func:`load_reference_state_dict` loads a ``DLRM_Net`` state dict
 (``emb_l.<t>``, ``bot_l.<k>``, ``top_l.<k>``), which pins the layer layout and the order of the
@@ -55,28 +56,67 @@ def _reference_linear_init_(layer: nn.Linear) -> None:
         layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out))
 
 
+def _hidden_layer(
+    in_features: int, out_features: int, batch_norm: bool, dropout: float
+) -> list[nn.Module]:
+    """One hidden layer of either MLP: ``Linear -> [BatchNorm1d] -> ReLU -> [Dropout]``.
+
+    The order of FuxiCTR's ``MLP_Layer`` (v1.2.1, ``fuxictr/pytorch/layers/deep.py``, what the
+    BARS DLRM runs used): batch norm on the Linear's output, before the activation, and dropout on
+    the activation's output. No BatchNorm1d without ``batch_norm``, no Dropout at ``dropout == 0``
+    (as there), so the plain layer is the reference's ``Linear, ReLU`` pair with its indices.
+    """
+    layers: list[nn.Module] = [nn.Linear(in_features, out_features)]
+    if batch_norm:
+        layers.append(nn.BatchNorm1d(out_features))
+    layers.append(nn.ReLU())
+    if dropout > 0:
+        layers.append(nn.Dropout(dropout))
+    return layers
+
+
+def _reset_mlp(mlp: nn.Sequential) -> None:
+    for layer in mlp:
+        if isinstance(layer, nn.Linear):
+            _reference_linear_init_(layer)
+        elif isinstance(layer, nn.BatchNorm1d):
+            layer.reset_parameters()  # weight 1, bias 0, running mean 0 and variance 1
+
+
 class DenseArch(nn.Module):
     """The bottom MLP: ``dense [B, in_features] -> [B, layer_sizes[-1]]``.
 
     ``mlp`` is ``Sequential(Linear, ReLU, Linear, ReLU, ...)`` with a ReLU after every Linear, the
     last included, as the reference's ``bot_l`` (same indices: ``mlp.0``, ``mlp.2``, ...).
+
+    ``batch_norm`` / ``dropout`` (BARS's FuxiCTR DLRM; both off by default): every layer but the
+    last becomes ``Linear, BatchNorm1d, ReLU, Dropout(dropout)`` (see :func:`_hidden_layer`); the
+    last stays ``Linear, ReLU``, as FuxiCTR's ``MLP_Layer`` puts neither on its output layer and
+    its DLRM gives the bottom one ``output_activation = bottom_mlp_activations`` (ReLU).
     """
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        layer_sizes: Sequence[int],
+        batch_norm: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = in_features
-        for size in layer_sizes:
-            layers += [nn.Linear(width, size), nn.ReLU()]
+        for k, size in enumerate(layer_sizes):
+            if k < len(layer_sizes) - 1:
+                layers += _hidden_layer(width, size, batch_norm, dropout)
+            else:
+                layers += [nn.Linear(width, size), nn.ReLU()]
             width = size
         self.mlp = nn.Sequential(*layers)
         self.out_features = width
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for layer in self.mlp:
-            if isinstance(layer, nn.Linear):
-                _reference_linear_init_(layer)
+        _reset_mlp(self.mlp)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         """dense ``[B, in_features]`` -> ``[B, out_features]`` (non-negative)."""
@@ -235,23 +275,32 @@ class OverArch(nn.Module):
 
     ``mlp`` is ``Sequential(Linear, ReLU, ..., Linear)``: a ReLU after every hidden layer, the last
     Linear (to 1) bare (the reference's ``top_l`` without its final Sigmoid; same indices).
+
+    ``batch_norm`` / ``dropout`` (BARS's FuxiCTR DLRM; both off by default): every hidden layer
+    becomes ``Linear, BatchNorm1d, ReLU, Dropout(dropout)`` (see :func:`_hidden_layer`); the last
+    Linear to 1 stays bare, as in FuxiCTR, whose top ``MLP_Layer`` ends in ``Linear(·, 1)`` and the
+    task's Sigmoid (left to the loss here).
     """
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        layer_sizes: Sequence[int],
+        batch_norm: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = in_features
         for size in layer_sizes:
-            layers += [nn.Linear(width, size), nn.ReLU()]
+            layers += _hidden_layer(width, size, batch_norm, dropout)
             width = size
         layers.append(nn.Linear(width, 1))
         self.mlp = nn.Sequential(*layers)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for layer in self.mlp:
-            if isinstance(layer, nn.Linear):
-                _reference_linear_init_(layer)
+        _reset_mlp(self.mlp)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features ``[B, in_features]`` -> logits ``[B, 1]``."""
@@ -287,6 +336,20 @@ def _positive(name: str, value: Any) -> int:
     return as_int
 
 
+def _dropout(name: str, value: Any) -> float:
+    """A dropout probability in [0, 1), or a one-line error naming ``model.<name>``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+    if not ok:
+        raise UserInputError(f"model.{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise UserInputError(f"model.{name} must be true or false, got {value!r}")
+    return value
+
+
 class DLRM(nn.Module):
     """DLRM: ``forward(dense [B, n_dense] float32, sparse [B, n_sparse] int64) -> [B]`` click logits.
 
@@ -302,6 +365,15 @@ class DLRM(nn.Module):
         embedding_dim: d, the width of every table and of the bottom MLP's output.
         dense_arch: hidden widths of the bottom MLP (a last layer to ``embedding_dim`` follows).
         over_arch: hidden widths of the top MLP (a last layer to 1 follows).
+        dense_arch_batch_norm, over_arch_batch_norm: a BatchNorm1d after each hidden Linear of the
+            bottom / top MLP, before its ReLU (not after the last layer of either).
+        dense_arch_dropout, over_arch_dropout: a Dropout of that probability after each hidden
+            layer's ReLU in the bottom / top MLP (none after the last layer of either).
+            With the four off (the default) the MLPs are the reference's. BARS's DLRM on
+            Criteo_x1 (FuxiCTR 1.2.1) is both batch norms on, ``over_arch_dropout=0.2``,
+            ``dense_arch_dropout=0``: FuxiCTR's ``MLP_Layer`` orders a hidden layer
+            ``Linear, BatchNorm1d, ReLU, Dropout`` and its DLRM passes one ``batch_norm`` flag
+            to both MLPs (here one flag each).
         interaction: ``dot`` (the reference's pairwise dots), ``cat`` (concatenation) or
             ``dcnv2`` (low-rank DCN-v2 cross network).
         interaction_itself: ``dot`` only: keep the self-dots too (``F(F+1)/2`` values).
@@ -325,6 +397,10 @@ class DLRM(nn.Module):
         embedding_dim: Annotated[int, Range(ge=1)] = 16,
         dense_arch: Sequence[Annotated[int, Range(ge=1)]] = (512, 256, 64),
         over_arch: Sequence[Annotated[int, Range(ge=1)]] = (512, 256),
+        dense_arch_batch_norm: bool = False,
+        over_arch_batch_norm: bool = False,
+        dense_arch_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
+        over_arch_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         interaction: Literal["dot", "cat", "dcnv2"] = "dot",
         interaction_itself: bool = False,
         interaction_kernel: KernelImpl = "pytorch",
@@ -339,6 +415,10 @@ class DLRM(nn.Module):
         embedding_dim = _positive("embedding_dim", embedding_dim)
         hidden_bottom = _sizes("dense_arch", dense_arch, allow_empty=True)
         hidden_top = _sizes("over_arch", over_arch, allow_empty=True)
+        dense_bn = _flag("dense_arch_batch_norm", dense_arch_batch_norm)
+        over_bn = _flag("over_arch_batch_norm", over_arch_batch_norm)
+        dense_p = _dropout("dense_arch_dropout", dense_arch_dropout)
+        over_p = _dropout("over_arch_dropout", over_arch_dropout)
         if interaction not in INTERACTIONS:
             raise UserInputError(
                 f"model.interaction must be one of {', '.join(INTERACTIONS)}, got {interaction!r}"
@@ -363,7 +443,7 @@ class DLRM(nn.Module):
         self.interaction_kind = interaction
         self.compile_dense = bool(compile)
 
-        self.dense_arch = DenseArch(n_dense, [*hidden_bottom, embedding_dim])
+        self.dense_arch = DenseArch(n_dense, [*hidden_bottom, embedding_dim], dense_bn, dense_p)
         self.sparse_arch = SparseArch(cards, embedding_dim, sparse_gradients=bool(sparse_gradients))
         if interaction == "dot":
             self.interaction: nn.Module = DotInteraction(
@@ -373,7 +453,7 @@ class DLRM(nn.Module):
             self.interaction = CatInteraction(embedding_dim, len(cards))
         else:
             self.interaction = DCNv2Interaction(embedding_dim, len(cards), dcn_layers, dcn_rank)
-        self.over_arch = OverArch(self.interaction.out_features, hidden_top)
+        self.over_arch = OverArch(self.interaction.out_features, hidden_top, over_bn, over_p)
         self._compiled = None
 
     @property
@@ -435,21 +515,25 @@ def load_reference_state_dict(model: DLRM, state: Mapping[str, Any]) -> None:
     Names: ``emb_l.<t>.weight [rows_t, d]`` -> feature t's table (:meth:`SparseArch.table`);
     ``bot_l.<k>.weight|bias`` -> ``dense_arch.mlp.<k>``; ``top_l.<k>.weight|bias`` ->
     ``over_arch.mlp.<k>`` (the reference's Sequential indices are ours: Linear at even indices,
-    its final Sigmoid has no parameters). Values may be tensors or numpy arrays. Only the ``dot``
-    and ``cat`` interactions exist in the reference. Every reference entry must find its place
+    its final Sigmoid has no parameters; with dropout, the i-th Linear is the reference's ``2i``).
+    Values may be tensors or numpy arrays. Only the ``dot`` and ``cat`` interactions exist in the
+    reference, and no batch norm. Every reference entry must find its place
     and every parameter of ``model`` must be set, with equal shapes, or nothing is copied and a
     ValueError says what differs.
     """
     if model.interaction_kind not in ("dot", "cat"):
         raise ValueError(f"DLRM_Net has no {model.interaction_kind} interaction: only dot and cat load")
+    if any(isinstance(m, nn.BatchNorm1d) for m in model.modules()):
+        raise ValueError("DLRM_Net has no batch norm: a model with dense_arch_batch_norm or "
+                         "over_arch_batch_norm does not load")
     targets: dict[str, torch.Tensor] = {}
     for t in range(model.n_sparse):
         targets[f"emb_l.{t}.weight"] = model.sparse_arch.table(t)
     for prefix, arch in (("bot_l", model.dense_arch), ("top_l", model.over_arch)):
-        for k, layer in enumerate(arch.mlp):
-            if isinstance(layer, nn.Linear):
-                targets[f"{prefix}.{k}.weight"] = layer.weight
-                targets[f"{prefix}.{k}.bias"] = layer.bias
+        linears = [layer for layer in arch.mlp if isinstance(layer, nn.Linear)]
+        for i, layer in enumerate(linears):
+            targets[f"{prefix}.{2 * i}.weight"] = layer.weight
+            targets[f"{prefix}.{2 * i}.bias"] = layer.bias
     missing = sorted(set(targets) - set(state))
     unexpected = sorted(set(state) - set(targets))
     if missing or unexpected:
