@@ -19,6 +19,9 @@ KNOWN_WARNINGS = [
     (r"The number of training batches \(\d+\) is smaller than the logging interval", Warning,
      "short epochs (ml-1m: 24 batches) log the step loss less often; the epoch's mean loss and every "
      "evaluation metric are logged at each epoch's end all the same"),
+    (r"Your `IterableDataset` has `__len__` defined", Warning,
+     "the Criteo stream gives each rank and worker a disjoint share and reports that share's exact "
+     "batch count (recforge.data.criteo.datamodule)"),
 ]
 
 # Lightning's advertisements, logged at INFO on every run (litlogger, litmodels).
