@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 3 and 10 in one prepared run (10-15 minutes on one GPU), for a session that
+# The GPU checks of issues 3, 10 and 11 in one prepared run (10-15 minutes on one GPU), for a session that
 # is lent a device: the Triton kernels compiled for real and compared with their PyTorch twins,
 # the score-and-rank kernel against the PyTorch path, the row-wise optimizer step against its
 # twin, and GRU4Rec training mini-batches/s at B=32..256 with PyTorch ops and with every kernel.
@@ -14,7 +14,7 @@ set -uo pipefail
 out=${1:-${OUT:-outputs/gpu_check}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-steps=" ${STEPS:-1 2 3 4 5} "
+steps=" ${STEPS:-1 2 3 4 5 6} "
 run_step() { [[ $steps == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline
 if compgen -G "wheels/*" > /dev/null; then
@@ -55,4 +55,14 @@ run_step 5 && for kernel in pytorch triton; do
     --override data.generator.n_items=26744 --device cuda \
     --override model.attention.kernel=$kernel --override model.output.kernel=$kernel \
     2>&1 | tail -4 | tee "$out/hstu_ml20m_$kernel.txt"
+done
+# 6. DLRM (issue 11): the dot-interaction kernel and the reference oracle on the GPU, the kernel
+# table (Triton vs PyTorch vs torch.compile, B = 2048..65536, d = 16/64/128), and training
+# samples/s of the Kaggle configuration at batch 2048 per interaction kernel
+run_step 6 && timeout 240 "$py" -m pytest -q tests/dlrm/test_dot_interaction.py tests/dlrm/test_dlrm_oracle.py \
+  2>&1 | tail -8 | tee "$out/dlrm_tests.txt"
+run_step 6 && timeout 300 "$py" benchmarks/dot_interaction_bench.py 2>&1 | tee "$out/dot_interaction.txt"
+run_step 6 && for kernel in pytorch triton; do
+  timeout 200 "$py" benchmarks/dlrm_throughput.py --device cuda --threads 4 --batch 2048 \
+    --override model.interaction_kernel=$kernel 2>&1 | tail -2 | tee "$out/dlrm_throughput_$kernel.txt"
 done

@@ -51,6 +51,8 @@ SHRINK = [
     "data.eval_batch_size=256",
     "model.hidden_size=32",
     "task.sample_store_size=100000",
+    "data.generator.n_rows=4000",
+    "data.prepare.max_ind_range=1000",
 ]
 
 

@@ -137,15 +137,28 @@ def _parameters(target: Callable) -> tuple[dict[str, Any], bool]:
     for function in callables:
         signature = inspect.signature(function)
         hints = _hints(function)
-        forwards = False
+        keywords = None
         for name, p in signature.parameters.items():
             if p.kind is p.VAR_KEYWORD:
-                forwards = True
+                keywords = name
             elif p.kind is not p.VAR_POSITIONAL and name != "self":
                 params.setdefault(name, hints.get(name, Any))
-        if not forwards:
+        if keywords is None:
             return params, False
+        if not _passes_up(function, keywords):
+            # the keywords go elsewhere (Lightning's PyTorchProfiler hands them to torch's
+            # profiler): anything may be given
+            return params, True
     return params, True
+
+
+def _passes_up(function: Callable, keywords: str) -> bool:
+    """Whether ``function`` hands its ``**keywords`` to a parent's ``__init__``."""
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return True
+    return re.search(r"\.__init__\([^)]*\*\*" + re.escape(keywords) + r"\b", source) is not None
 
 
 def _hints(function: Callable) -> dict[str, Any]:

@@ -52,6 +52,8 @@ EXPECTED = {
     ("sasrec", "loss"): ["full_softmax", "sampled_softmax"],
     ("hstu", "data"): ["amzn-books", "ml-1m", "ml-20m", "synthetic_histories"],
     ("hstu", "loss"): ["full_softmax", "sampled_softmax"],
+    ("dlrm", "data"): ["criteo_kaggle", "criteo_terabyte", "synthetic_criteo"],
+    ("dlrm", "loss"): ["bce"],
 }
 MODELS = _options("model")
 
@@ -63,7 +65,16 @@ def test_each_model_declares_what_it_accepts(model):
     assert accepted(model, "evaluation"), "no evaluation fits the model's task"
     model_cls = _target("model", model)
     for contract in model_cls.implements:  # the declaration is a promise an instance keeps
-        assert isinstance(model_cls(n_items=5), contract), contract
+        assert isinstance(_tiny(model_cls), contract), contract
+
+
+def _tiny(model_cls: type):
+    """A small instance of a model, built from what its family's data hands it."""
+    from recforge.contracts import CTRModel
+
+    if CTRModel in model_cls.implements:
+        return model_cls(cardinalities=[5] * 26, n_dense=13)
+    return model_cls(n_items=5)
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +90,37 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
     write_session_file(test, paths["test"])
     histories = SyntheticHistoriesConfig(n_users=60, n_items=40, min_length=5, max_length=20)
     paths["histories"] = write_synthetic_histories(histories, root / "histories")
+    for day in range(2):  # raw Criteo text: a Kaggle train.txt, or two Terabyte day files
+        paths[f"criteo_day_{day}"] = _raw_criteo(root / f"day_{day}", rows=160, seed=day)
     return paths
+
+
+def _raw_criteo(path: Path, rows: int, seed: int) -> Path:
+    """Raw Criteo lines: label, 13 integers, 26 hex values, tab-separated, some fields empty."""
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(rows):
+        dense = ["" if rng.random() < 0.1 else str(rng.randint(0, 50)) for _ in range(13)]
+        cats = ["" if rng.random() < 0.1 else f"{rng.randint(0, 40):08x}" for _ in range(26)]
+        lines.append("\t".join([str(int(rng.random() < 0.3)), *dense, *cats]))
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _data_overrides(data: str, files: dict[str, Path]) -> list[str]:
     """What a data option needs on top of its config: nothing when it generates its data."""
     if "generator" in yaml.safe_load((CONF_DIR / "data" / f"{data}.yaml").read_text()):
         return []
-    if _target("data", data).batch_type.__name__ == "HistoryBatch":
+    batch_type = _target("data", data).batch_type.__name__
+    if batch_type == "HistoryBatch":
         return [f"data.prepared_dir={files['histories']}"]
+    if batch_type == "CTRBatch":
+        node = yaml.safe_load((CONF_DIR / "data" / f"{data}.yaml").read_text())
+        days = (node.get("prepare") or {}).get("split") == "days"
+        raw = f"[{files['criteo_day_0']},{files['criteo_day_1']}]" if days else str(files["criteo_day_0"])
+        return [f"data.raw_path={raw}"]
     return [f"data.train_path={files['train']}", f"data.test_path={files['test']}"]
 
 
@@ -105,7 +138,7 @@ def test_option_builds_with_the_model_or_fails_clearly(model, group, option, mak
     if option in EXPECTED[(model, group)]:
         check_combination(cfg, CONF_DIR, choices)
         datamodule, task = build(cfg)
-        assert task.model is not None and datamodule.task_inputs()["n_items"] > 0
+        assert task.model is not None and datamodule.task_inputs()
     else:
         with pytest.raises(IncompatibleConfigError) as err:
             check_combination(cfg, CONF_DIR, choices)

@@ -3,7 +3,7 @@
 What lives here, once: manual optimisation (one update per training step, a DDP padding step that
 joins the gradient all-reduce without an update), averaging of sparse item-table gradients across
 DDP ranks (optim/sparse_grad_sync.py), clipping that understands sparse gradients, learning-rate
-schedulers stepped per epoch, objects with state that must survive a resume (negative samplers),
+schedulers stepped per epoch or per update, objects with state that must survive a resume (negative samplers),
 the epoch's mean training loss, and the logging of the evaluation's metrics.
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ class RecTask(L.LightningModule):
     Args:
         optimizer: factory ``(params) -> torch.optim.Optimizer``.
         evaluation: the evaluation component (e.g. :class:`recforge.evaluation.FullRanking`).
-        scheduler: optional factory ``(optimizer) -> LR scheduler``, stepped once per epoch.
+        scheduler: optional factory ``(optimizer) -> LR scheduler``, stepped once per epoch, or
+            once per update when ``scheduler_interval="step"`` (DLRM's warm-up and decay).
         gradient_clip_val, gradient_clip_algorithm: optional clipping ("norm" or "value") of
             every gradient, sparse item-table gradients included (the task optimises manually, so
             this replaces the Trainer's own clipping options).
@@ -49,6 +50,7 @@ class RecTask(L.LightningModule):
         scheduler: Callable | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        scheduler_interval: Literal["epoch", "step"] = "epoch",
     ) -> None:
         super().__init__()
         self.optimizer_factory = optimizer
@@ -61,6 +63,9 @@ class RecTask(L.LightningModule):
             raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
+        self.scheduler_interval = scheduler_interval
         self._sparse_synced: list[nn.Parameter] = []
         self._lazy_factories: dict[str, Callable[[], Any]] = {}
         self._lazy_objects: dict[str, Any] = {}
@@ -99,6 +104,8 @@ class RecTask(L.LightningModule):
         if self.gradient_clip_val:
             self.configure_gradient_clipping(optimizer, self.gradient_clip_val, self.gradient_clip_algorithm)
         optimizer.step()
+        if self.scheduler_interval == "step" and self.scheduler_factory is not None:
+            self.lr_schedulers().step()
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
@@ -111,8 +118,12 @@ class RecTask(L.LightningModule):
         else:
             clip_grad_norm_(self.parameters(), gradient_clip_val)
 
+    def optimizer_params(self):
+        """What the optimizer factory is given: every parameter (a family may split them in groups)."""
+        return self.parameters()
+
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.parameters())
+        optimizer = self.optimizer_factory(params=self.optimizer_params())
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer=optimizer)}
@@ -138,8 +149,8 @@ class RecTask(L.LightningModule):
             mean = self._loss_sum / self._loss_steps
             self.log("train/loss_epoch", mean, on_step=False, on_epoch=True, prog_bar=True, sync_dist=True)
         scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()  # manual optimisation steps its schedulers itself, once per epoch
+        if scheduler is not None and self.scheduler_interval == "epoch":
+            scheduler.step()  # manual optimisation steps its schedulers itself
 
     # ------------------------------------------------------------------ state that survives a resume
     def register_lazy(self, name: str, factory: Callable[[], Any]) -> None:

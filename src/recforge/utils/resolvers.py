@@ -33,11 +33,25 @@ def wandb_offline() -> bool:
     return True
 
 
+# Metrics that are better when smaller; every other logged metric (recall, NDCG, AUC, accuracy)
+# is better when larger.
+_MINIMISED = ("loss", "logloss")
+
+
+def metric_mode(name: str) -> str:
+    """``min`` or ``max``: which way a logged metric (``val/auc``, ``val/logloss``) improves, for
+    checkpointing and early stopping that follow ``optimized_metric``."""
+    last = str(name).rsplit("/", 1)[-1].split("@", 1)[0]
+    return "min" if last.endswith(_MINIMISED) else "max"
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("recforge_launch_dir"):
         OmegaConf.register_new_resolver("recforge_launch_dir", launch_dir)
     if not OmegaConf.has_resolver("recforge_wandb_offline"):
         OmegaConf.register_new_resolver("recforge_wandb_offline", wandb_offline)
+    if not OmegaConf.has_resolver("recforge_metric_mode"):
+        OmegaConf.register_new_resolver("recforge_metric_mode", metric_mode)
 
 
 register()

@@ -428,7 +428,8 @@ class CriteoDataModule(L.LightningDataModule):
         # Imported here: the conversion (and its dependencies) is needed only for raw inputs.
         from recforge.data.criteo.prepare import ensure_prepared
 
-        raw = [str(p) for p in raw_path] if isinstance(raw_path, (list, tuple)) else str(raw_path)
+        # a list from the command line arrives as an OmegaConf ListConfig, not a list
+        raw = str(raw_path) if isinstance(raw_path, (str, os.PathLike)) else [str(p) for p in raw_path]
         try:
             inspect.signature(ensure_prepared).bind(raw, cache_dir, **params)
         except TypeError as error:

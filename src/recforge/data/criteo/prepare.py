@@ -1,0 +1,482 @@
+"""Raw Criteo files -> a prepared directory (:mod:`recforge.data.criteo.prepared`), streaming.
+
+Passes over the input, each chunk by chunk (memory follows ``chunk_rows``, not the file):
+
+1. ``kaggle7`` and ``days`` only: count the data lines (bytes only, no parsing);
+2. ``categorical="vocab"`` only: count each feature's values on the training rows
+   (memory: plus the vocabulary);
+3. parse, split, transform and write every row through :class:`PreparedWriter`, which leaves
+   nothing behind when anything fails.
+
+Row formats and malformed lines: :mod:`.raw`; dense transform and index layouts: :mod:`.transform`;
+splits: :mod:`.splits`. Command line::
+
+    python -m recforge.data.criteo.prepare --raw train.txt --out data/criteo_kaggle \\
+        --categorical hash --max-ind-range 10000000
+    python -m recforge.data.criteo.prepare --raw train.txt --out data/criteo_x1 \\
+        --categorical vocab --min-frequency 10 --split random_7_2_1 --seed 0
+    python -m recforge.data.criteo.prepare --raw day_0.gz ... day_23.gz --out data/criteo_tb \\
+        --split days --max-ind-range 40000000
+    python -m recforge.data.criteo.prepare --split files --raw train.csv --valid valid.csv \\
+        --test test.csv --out data/criteo_x4 --categorical vocab --min-frequency 10
+
+Metadata written beside the parts (besides what :class:`PreparedWriter` writes): ``source``
+(inputs with path, bytes, mtime_ns, layout, role; lines read), ``categorical`` (mode, settings,
+index layout, per-feature distinct values / vocabulary sizes or rows used), ``split`` (kind,
+settings, ``rows`` per split), ``malformed`` (count, fraction, policy, ``file:line: reason``
+examples) and ``conversion`` (``rows_read``, ``elapsed_seconds``, ``chunk_rows``, ``converter``).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recforge.cli import one_line_errors
+from recforge.data.criteo.prepared import METADATA, PreparedDataError, PreparedWriter, read_metadata
+from recforge.data.criteo.raw import (
+    LAYOUTS,
+    Layout,
+    MalformedLog,
+    RawInputError,
+    count_data_lines,
+    detect_layout,
+    iter_raw_chunks,
+    take_rows,
+)
+from recforge.data.criteo.splits import (
+    SPLIT_KINDS,
+    SPLIT_NAMES,
+    TEST,
+    TRAIN,
+    VALID,
+    DaysSplit,
+    FilesSplit,
+    Kaggle7Split,
+    RandomSplit,
+    SplitPlan,
+)
+from recforge.data.criteo.transform import (
+    CATEGORICAL_MODES,
+    HashEncoder,
+    ValueCounter,
+    VocabEncoder,
+    check_max_ind_range,
+    check_min_frequency,
+    dense_log1p,
+)
+from recforge.errors import UserInputError
+
+__all__ = ["CONVERTER_VERSION", "DEFAULT_CHUNK_ROWS", "ensure_prepared", "main", "prepare_criteo", "prepared_key"]
+
+log = logging.getLogger(__name__)
+
+# Bump when the same inputs and parameters would give different prepared data, so that
+# ensure_prepared's cache keys change with it.
+CONVERTER_VERSION = 1
+DEFAULT_CHUNK_ROWS = 100_000
+DEFAULT_MAX_MALFORMED_FRACTION = 0.001
+_PROGRESS_SECONDS = 30.0
+_DAY_FILE = re.compile(r"^day_(\d+)(\.gz)?$")
+
+PathArg = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class _Source:
+    path: Path
+    layout: Layout
+    role: int | None  # the split of every row ("files"), or None: the plan decides
+
+
+def _paths(value: PathArg | Sequence[PathArg] | None) -> list[Path]:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [Path(value)]
+    return [Path(v) for v in value]
+
+
+def _day_files(paths: list[Path]) -> list[Path]:
+    """A directory of ``day_N[.gz]`` files, or such files given in any order (a shell glob
+    sorts day_10 before day_2), in day order."""
+    if len(paths) == 1 and paths[0].is_dir():
+        found = [p for p in paths[0].iterdir() if _DAY_FILE.match(p.name)]
+        if not found:
+            raise RawInputError(f"{paths[0]}: no day_N or day_N.gz files in this directory")
+        paths = found
+    if all(_DAY_FILE.match(p.name) for p in paths):
+        ordered = sorted(paths, key=lambda p: int(_DAY_FILE.match(p.name).group(1)))
+        if ordered != paths:
+            log.info("days: taking the day files in day order: %s", ", ".join(p.name for p in ordered))
+        return ordered
+    return paths
+
+
+def _params(
+    layout: str, categorical: str, max_ind_range: int | None, min_frequency: int, split: str, seed: int,
+    on_malformed: str, max_malformed_fraction: float, chunk_rows: int,
+) -> dict[str, Any]:
+    """Checked parameters, those that do not apply left out (they key ensure_prepared's cache)."""
+    if layout not in LAYOUTS:
+        raise UserInputError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if categorical not in CATEGORICAL_MODES:
+        raise UserInputError(f"categorical must be one of {', '.join(CATEGORICAL_MODES)}, got {categorical!r}")
+    if split not in SPLIT_KINDS:
+        raise UserInputError(f"split must be one of {', '.join(SPLIT_KINDS)}, got {split!r}")
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)) or chunk_rows < 1:
+        raise UserInputError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    MalformedLog(on_malformed, max_malformed_fraction)  # checks both
+    params: dict[str, Any] = {"layout": layout, "categorical": categorical, "split": split,
+                              "on_malformed": on_malformed, "max_malformed_fraction": float(max_malformed_fraction)}
+    if categorical == "hash":
+        if min_frequency != 1:
+            raise UserInputError("min_frequency applies to categorical='vocab' only")
+        params["max_ind_range"] = check_max_ind_range(max_ind_range)
+    else:
+        if max_ind_range is not None:
+            raise UserInputError("max_ind_range applies to categorical='hash' only (vocab indexes every kept value)")
+        params["min_frequency"] = check_min_frequency(min_frequency)
+    if split.startswith("random"):
+        RandomSplit(split, seed)  # checks the seed
+        params["seed"] = int(seed)
+    return params
+
+
+def _sources(raw: list[Path], valid: list[Path], test: list[Path], split: str, layout: str) -> list[_Source]:
+    if not raw:
+        raise UserInputError("no raw input given")
+    if split == "files":
+        if not valid and not test:
+            raise UserInputError(
+                "split='files' needs the valid and/or test files (the raw files are the train split)")
+        roles = [(p, TRAIN) for p in raw] + [(p, VALID) for p in valid] + [(p, TEST) for p in test]
+    else:
+        if valid or test:
+            raise UserInputError(
+                f"valid/test files are for split='files'; split={split!r} cuts the raw input itself")
+        if split == "days":
+            raw = _day_files(raw)
+        roles = [(p, None) for p in raw]
+    resolved = [p.resolve() for p, _ in roles]
+    if len(set(resolved)) != len(resolved):
+        raise UserInputError(f"an input is given twice: {[str(p) for p, _ in roles]}")
+    return [_Source(p, detect_layout(p, layout), role) for p, role in roles]
+
+
+def _plan(sources: list[_Source], split: str, seed: int) -> SplitPlan:
+    if split == "files":
+        return FilesSplit([s.role for s in sources])
+    if split.startswith("random"):
+        return RandomSplit(split, seed)
+    if split == "days":
+        last = sources[-1]
+        return DaysSplit(len(sources), count_data_lines(last.path, last.layout))
+    return Kaggle7Split([count_data_lines(s.path, s.layout) for s in sources])
+
+
+def _check_out_dir(out_dir: Path, sources: list[_Source]) -> None:
+    """Refuse to replace a directory that is not a prepared one (PreparedWriter would)."""
+    for source in sources:
+        if out_dir.resolve() in source.path.resolve().parents:
+            raise UserInputError(f"the output directory {out_dir} holds the input {source.path}; choose another one")
+    if out_dir.exists() and not (out_dir.is_dir() and (out_dir / METADATA).is_file()):
+        if out_dir.is_file() or any(out_dir.iterdir()):
+            raise UserInputError(
+                f"{out_dir}: exists and is not a prepared Criteo directory; refusing to replace it "
+                f"(remove it or choose another --out)"
+            )
+
+
+class _Progress:
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.start = self.last = time.perf_counter()
+        self.lines = 0
+
+    def add(self, lines: int) -> None:
+        self.lines += lines
+        now = time.perf_counter()
+        if now - self.last >= _PROGRESS_SECONDS:
+            self.last = now
+            rate = self.lines / (now - self.start)
+            log.info("%s: %s lines (%s lines/s)", self.what, f"{self.lines:,}", f"{rate:,.0f}")
+
+
+def _build_vocabulary(
+    sources: list[_Source], plan: SplitPlan, min_frequency: int, chunk_rows: int, malformed: MalformedLog
+) -> VocabEncoder:
+    counter = ValueCounter()
+    progress = _Progress("vocabulary pass")
+    for index, source in enumerate(sources):
+        limit = plan.train_lines(index)
+        if limit == 0:
+            continue
+        for chunk in iter_raw_chunks(source.path, source.layout, chunk_rows, malformed):
+            progress.add(chunk.n_lines)
+            train = plan.assign(index, chunk.rows) == TRAIN
+            counter.update(chunk.sparse[train] if not train.all() else chunk.sparse)
+            if limit is not None and chunk.first_line + chunk.n_lines >= limit:
+                break
+            del chunk
+    return VocabEncoder.from_counter(counter, min_frequency)
+
+
+def _write_chunk(writer: PreparedWriter, codes: np.ndarray, labels: np.ndarray, dense: np.ndarray,
+                 sparse: np.ndarray) -> None:
+    present = np.unique(codes).tolist()
+    if len(present) == 1:  # most runs of kaggle7 and days: no copies
+        writer.write(SPLIT_NAMES[present[0]], labels, dense, sparse)
+        return
+    for code in present:
+        take = codes == code
+        writer.write(SPLIT_NAMES[code], labels[take], take_rows(dense, take), take_rows(sparse, take))
+
+
+def _fingerprint(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def prepare_criteo(
+    raw: PathArg | Sequence[PathArg],
+    out_dir: PathArg,
+    *,
+    layout: str = "auto",
+    categorical: str = "hash",
+    max_ind_range: int | None = None,
+    min_frequency: int = 1,
+    split: str = "kaggle7",
+    seed: int = 0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    on_malformed: str = "skip",
+    max_malformed_fraction: float = DEFAULT_MAX_MALFORMED_FRACTION,
+    valid: PathArg | Sequence[PathArg] | None = None,
+    test: PathArg | Sequence[PathArg] | None = None,
+) -> Path:
+    """Convert raw Criteo files into the prepared directory ``out_dir``; returns it.
+
+    ``raw``: one file or several, read in order as one stream of rows (``split="days"``: the day
+    files, or a directory of ``day_N[.gz]`` files; ``split="files"``: the training files).
+    ``layout``: ``auto`` | ``tsv`` | ``csv`` (:mod:`.raw`). ``categorical``: ``hash`` (needs
+    ``max_ind_range``) or ``vocab`` (``min_frequency``, counted on train only), see
+    :mod:`.transform`. ``split``: ``kaggle7`` | ``random_7_2_1`` | ``random_8_1_1`` (``seed``) |
+    ``days`` | ``files`` (with ``valid`` and/or ``test`` files), see :mod:`.splits`.
+    ``chunk_rows``: lines parsed at a time (memory; the output does not depend on it).
+    ``on_malformed``: ``skip`` (at most ``max_malformed_fraction`` of the lines read) or ``fail``.
+
+    Errors are one-line :class:`UserInputError`; a failed conversion leaves no ``out_dir`` (an
+    existing prepared one is kept), and an existing directory that is not a prepared one is
+    never replaced.
+    """
+    started = time.perf_counter()
+    params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
+                     max_malformed_fraction, chunk_rows)
+    out_dir = Path(out_dir)
+    sources = _sources(_paths(raw), _paths(valid), _paths(test), split, layout)
+    _check_out_dir(out_dir, sources)
+    plan = _plan(sources, split, seed)
+    encoder: HashEncoder | VocabEncoder
+    if categorical == "hash":
+        encoder = HashEncoder(max_ind_range)
+    else:
+        # Its own log: the conversion pass below sees these lines again and reports them.
+        first_pass = MalformedLog(on_malformed, max_malformed_fraction)
+        encoder = _build_vocabulary(sources, plan, min_frequency, chunk_rows, first_pass)
+
+    malformed = MalformedLog(on_malformed, max_malformed_fraction)
+    progress = _Progress("conversion")
+    with PreparedWriter(out_dir) as writer:
+        for index, source in enumerate(sources):
+            for chunk in iter_raw_chunks(source.path, source.layout, chunk_rows, malformed):
+                progress.add(chunk.n_lines)
+                _write_chunk(writer, plan.assign(index, chunk.rows), chunk.labels,
+                             dense_log1p(chunk.dense), encoder.encode(chunk.sparse))
+                del chunk  # before the next run is read: memory holds one run at a time
+        malformed.check()
+        rows = writer.rows
+        if rows["train"] == 0:
+            raise RawInputError(
+                f"no training rows: {split!r} put none of the {malformed.rows_read:,} lines read in train")
+        for name in ("valid", "test"):
+            if rows[name] == 0:
+                log.warning("split %r has no rows (%s lines read)", name, f"{malformed.rows_read:,}")
+        elapsed = time.perf_counter() - started
+        path = writer.finish(
+            encoder.cardinalities,
+            source={
+                "inputs": [{**_fingerprint(s.path), "layout": s.layout.name,
+                            "role": SPLIT_NAMES[s.role] if s.role is not None else "split"} for s in sources],
+                "lines_read": malformed.rows_read,
+            },
+            categorical=encoder.metadata(),
+            split={**plan.metadata(), "rows": rows},
+            malformed=malformed.summary(),
+            conversion={"rows_read": malformed.rows_read, "rows_written": sum(rows.values()),
+                        "elapsed_seconds": round(elapsed, 3), "chunk_rows": int(chunk_rows),
+                        "converter": f"recforge.data.criteo.prepare v{CONVERTER_VERSION}", "params": params},
+        )
+    log.info("prepared %s: %s in %.1f s (%s malformed lines skipped)", path,
+             ", ".join(f"{k} {v:,}" for k, v in rows.items()), elapsed, f"{malformed.count:,}")
+    return path
+
+
+def prepared_key(
+    raw: PathArg | Sequence[PathArg],
+    *,
+    valid: PathArg | Sequence[PathArg] | None = None,
+    test: PathArg | Sequence[PathArg] | None = None,
+    layout: str = "auto",
+    categorical: str = "hash",
+    max_ind_range: int | None = None,
+    min_frequency: int = 1,
+    split: str = "kaggle7",
+    seed: int = 0,
+    on_malformed: str = "skip",
+    max_malformed_fraction: float = DEFAULT_MAX_MALFORMED_FRACTION,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> str:
+    """16 hex digits of a hash of the inputs (resolved paths, sizes, mtimes), the parameters that
+    apply (``chunk_rows`` excluded: it does not change the output) and :data:`CONVERTER_VERSION`."""
+    params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
+                     max_malformed_fraction, chunk_rows)
+    inputs = {}
+    for role, paths in (("raw", _paths(raw)), ("valid", _paths(valid)), ("test", _paths(test))):
+        if split == "days" and role == "raw":
+            paths = _day_files(paths)
+        for path in paths:
+            if not path.is_file():
+                raise RawInputError(f"{path}: no such file (the raw Criteo input)")
+        inputs[role] = [_fingerprint(p) for p in paths]
+    blob = json.dumps({"converter": CONVERTER_VERSION, "inputs": inputs, "params": params}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def ensure_prepared(
+    raw: PathArg | Sequence[PathArg],
+    cache_root: PathArg,
+    *,
+    valid: PathArg | Sequence[PathArg] | None = None,
+    test: PathArg | Sequence[PathArg] | None = None,
+    layout: str = "auto",
+    categorical: str = "hash",
+    max_ind_range: int | None = None,
+    min_frequency: int = 1,
+    split: str = "kaggle7",
+    seed: int = 0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    on_malformed: str = "skip",
+    max_malformed_fraction: float = DEFAULT_MAX_MALFORMED_FRACTION,
+) -> Path:
+    """``cache_root/<prepared_key(raw, ...)>``, converted by :func:`prepare_criteo` (same
+    parameters) unless it already holds a complete prepared directory. Concurrent callers (one
+    per process of a distributed run) wait on a lock file beside it, and only the first converts.
+    """
+    params: dict[str, Any] = dict(
+        valid=valid, test=test, layout=layout, categorical=categorical, max_ind_range=max_ind_range,
+        min_frequency=min_frequency, split=split, seed=seed, chunk_rows=chunk_rows,
+        on_malformed=on_malformed, max_malformed_fraction=max_malformed_fraction,
+    )
+    root = Path(cache_root)
+    target = root / prepared_key(raw, **params)
+    if _complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(target):  # another process converted it while this one waited
+            return target
+        # Ours (the key names them) and stale: an incomplete directory, or the temporary one
+        # of a conversion that was killed (PreparedWriter names it .<name>.<random>.tmp).
+        for stale in [target, *root.glob(f".{target.name}.*.tmp")]:
+            if stale.exists():
+                shutil.rmtree(stale)
+        log.info("converting %s into %s", [str(p) for p in _paths(raw)], target)
+        return prepare_criteo(raw, target, **params)
+
+
+def _complete(prepared_dir: Path) -> bool:
+    try:
+        read_metadata(prepared_dir)
+    except PreparedDataError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------- command line
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m recforge.data.criteo.prepare",
+        description="Convert raw Criteo click logs (Kaggle train.txt / dac_sample.txt, Terabyte "
+        "day_N, plain or .gz; or the Kaggle/BARS CSV layout with a header) into the prepared "
+        "parquet format, streaming in bounded memory.",
+    )
+    parser.add_argument("--raw", nargs="+", required=True,
+                        help="raw file(s), read in order; --split days: the day files (or their directory); "
+                        "--split files: the training file(s)")
+    parser.add_argument("--out", required=True, help="the prepared directory to write")
+    parser.add_argument("--layout", choices=LAYOUTS, default="auto",
+                        help="tsv: label, I1..I13, C1..C26 tab-separated, no header; csv: a header naming "
+                        "Label, I1..I13, C1..C26 (Id ignored); auto: from the first line (default)")
+    parser.add_argument("--categorical", choices=CATEGORICAL_MODES, default="hash",
+                        help="hash: 0 = missing, 1 + (value mod --max-ind-range); vocab: 0 = missing, "
+                        "1 = out of vocabulary, 2.. = values seen --min-frequency times in train")
+    parser.add_argument("--max-ind-range", type=int, help="hash: rows per table minus one (required)")
+    parser.add_argument("--min-frequency", type=int, default=1, help="vocab: keep values seen this often in train")
+    parser.add_argument("--split", choices=SPLIT_KINDS, default="kaggle7",
+                        help="kaggle7: facebookresearch/dlrm's 7 parts (default); random_7_2_1 / random_8_1_1: "
+                        "seeded per-row (BARS-like, not BARS's files); days: Terabyte day files; files: "
+                        "--raw is train, plus --valid / --test")
+    parser.add_argument("--seed", type=int, default=0, help="random splits: the seed")
+    parser.add_argument("--valid", nargs="+", help="--split files: the validation file(s)")
+    parser.add_argument("--test", nargs="+", help="--split files: the test file(s)")
+    parser.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
+                        help=f"lines parsed at a time; memory follows it (default {DEFAULT_CHUNK_ROWS:,})")
+    parser.add_argument("--on-malformed", choices=("skip", "fail"), default="skip",
+                        help="skip malformed lines (counted, with examples) or fail at the first")
+    parser.add_argument("--max-malformed-fraction", type=float, default=DEFAULT_MAX_MALFORMED_FRACTION,
+                        help=f"skip: fail when more than this fraction of lines is malformed "
+                        f"(default {DEFAULT_MAX_MALFORMED_FRACTION:g})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point; a user error is one ``recforge:`` line and a non-zero exit."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    # A plain kill (SIGTERM) would end the process without unwinding, leaving PreparedWriter's
+    # temporary directory behind; as an exit, the writer removes it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+    def run() -> Path:
+        return prepare_criteo(
+            args.raw, args.out, layout=args.layout, categorical=args.categorical,
+            max_ind_range=args.max_ind_range, min_frequency=args.min_frequency, split=args.split,
+            seed=args.seed, chunk_rows=args.chunk_rows, on_malformed=args.on_malformed,
+            max_malformed_fraction=args.max_malformed_fraction, valid=args.valid, test=args.test,
+        )
+
+    out = one_line_errors(run)
+    meta = read_metadata(out)
+    rows = meta["split"]["rows"]
+    print(f"{out}  " + "  ".join(f"{k}={v}" for k, v in rows.items())
+          + f"  malformed={meta['malformed']['count']}  seconds={meta['conversion']['elapsed_seconds']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""LightningModule for click-through-rate prediction on Criteo-shaped rows (DLRM)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Annotated, Literal
+
+import torch
+from torch import nn
+
+from recforge.config_values import Range
+from recforge.contracts import CTR_LOGITS, CTRModel
+from recforge.data.batches import CTRBatch
+from recforge.errors import UserInputError
+from recforge.tasks.base import RecTask
+
+# Optimizers that take the tables' sparse gradients as they are. Any other one (Adam, AdamW)
+# fails on the first step deep inside torch, so the task refuses it up front instead.
+_SPARSE_CAPABLE = {
+    "torch.optim.sgd.SGD",
+    "torch.optim.adagrad.Adagrad",
+    "torch.optim.sparse_adam.SparseAdam",
+    "recforge.optim.rowwise_adagrad.RowWiseAdagrad",
+    "recforge.optim.dense_sparse.DenseSparseOptimizer",
+    "recforge.optim.adagrad_momentum.IndexedAdagradM",
+}
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class CTRTask(RecTask):
+    """Trains a :class:`recforge.contracts.CTRModel` on :class:`CTRBatch` es with a click loss and
+    evaluates it by the CTR metrics (AUC, logloss, accuracy, calibration) of every row of a split.
+
+    The optimizer factory gets two parameter groups: the dense part, then the embedding tables
+    flagged ``{"sparse": True}`` (``model.sparse_parameters()``), so that
+    :class:`recforge.optim.dense_sparse.DenseSparseOptimizer` can give the tables their own rule
+    (row-wise Adagrad, sparse SGD) while plain optimizers treat both groups alike.
+
+    Args:
+        model: factory ``(cardinalities=..., n_dense=...) -> nn.Module`` implementing
+            :class:`recforge.contracts.CTRModel`.
+        loss: a ``CTR_LOGITS`` loss (``BinaryCrossEntropy``).
+        optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm: see
+            :class:`recforge.tasks.base.RecTask`.
+        scheduler_interval: ``step`` (DLRM's warm-up and decay are counted in updates) or ``epoch``.
+        cardinalities, n_dense: from the data module (table sizes, dense feature count).
+    """
+
+    batch_type = CTRBatch
+    model_contract = CTRModel
+    produces = CTR_LOGITS
+    evaluation_kind = "ctr"
+
+    def __init__(
+        self,
+        model: Callable[..., nn.Module],
+        loss: nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        evaluation: nn.Module,
+        cardinalities: Sequence[Annotated[int, Range(ge=1)]],
+        n_dense: Annotated[int, Range(ge=0)] = 13,
+        scheduler: Callable | None = None,
+        scheduler_interval: Literal["epoch", "step"] = "step",
+        gradient_clip_val: Annotated[float, Range(gt=0)] | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+    ) -> None:
+        super().__init__(
+            optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm, scheduler_interval
+        )
+        self.save_hyperparameters(
+            ignore=["model", "loss", "optimizer", "scheduler", "evaluation"], logger=False
+        )
+        self.model = model(cardinalities=list(cardinalities), n_dense=n_dense)
+        self.loss = loss
+
+    # ------------------------------------------------------------------ optimisation
+    def optimizer_params(self) -> list[dict]:
+        tables = list(self.model.sparse_parameters())
+        table_ids = {id(p) for p in tables}
+        rest = [p for p in self.parameters() if id(p) not in table_ids]
+        groups = [{"params": rest}]
+        if tables:
+            groups.append({"params": tables, "sparse": True})
+        return groups
+
+    def configure_optimizers(self):
+        self._check_optimizer_takes_sparse()
+        return super().configure_optimizers()
+
+    def _check_optimizer_takes_sparse(self) -> None:
+        if not any(getattr(m, "sparse", False) for m in self.model.modules()):
+            return
+        factory = self.optimizer_factory
+        cls = getattr(factory, "func", factory)
+        if isinstance(cls, type) and _qualname(cls) not in _SPARSE_CAPABLE:
+            raise UserInputError(
+                f"optimizer {cls.__name__} cannot update the embedding tables' sparse gradients: "
+                "use optimizer=sgd, adagrad or rowwise_adagrad (tables row-wise, the rest dense), "
+                "or set model.sparse_gradients=false"
+            )
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(self.model(batch.dense, batch.sparse), batch.labels)
+        self.optimize(loss)
+        self.record_loss(loss)
+        self.log_step_loss(loss, batch_idx, batch.size)
+        return loss
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, batch: CTRBatch, split: str) -> None:
+        self.evaluation.update(split, self.model(batch.dense, batch.sparse), batch.labels)
+
+    def validation_step(self, batch: CTRBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: CTRBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "test")

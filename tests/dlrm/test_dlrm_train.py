@@ -1,0 +1,161 @@
+"""CTRTask with DLRM end to end: it learns the synthetic click model, resume equals an
+uninterrupted run, DDP reduces the metrics of every row, the optimiser and schedule options, the
+profiler preset, and the real Criteo sample from raw text to metrics."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CHEAP, REPO_ROOT
+
+from recforge.errors import UserInputError
+from recforge.optim.schedules import dlrm_lr_scale
+from recforge.pipeline import build, evaluate, train
+
+# a narrow DLRM on a small synthetic set: seconds per epoch
+SMALL = ["model=dlrm", "data.generator.n_rows=6000", "data.batch_size=128", "data.eval_batch_size=1000",
+         "model.dense_arch=[32,16]", "model.over_arch=[32]", "model.embedding_dim=8"]
+
+
+def _weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+@pytest.mark.slow
+def test_dlrm_learns_the_click_model(make_cfg):
+    cfg = make_cfg(*SMALL, "data.generator.n_rows=60000", "trainer.max_epochs=3", "optimizer=adagrad",
+                   "optimizer.lr=0.05")
+    metrics = train(cfg)
+    for split in ("val", "test"):
+        for name in ("auc", "logloss", "accuracy", "calibration"):
+            assert math.isfinite(metrics[f"{split}/{name}"]), f"{split}/{name}"
+    datamodule, _ = build(cfg)
+    oracle = datamodule.metadata["oracle_auc"]
+    # learned something real, and never more than the generator's own probabilities allow
+    assert 0.65 < metrics["test/auc"] <= oracle + 0.01
+    assert metrics["val/auc_best"] == pytest.approx(max(metrics["val/auc_best"], metrics["val/auc"]))
+
+
+@pytest.mark.slow
+def test_resume_trains_like_an_uninterrupted_run(make_cfg):
+    straight = train(make_cfg(*SMALL, "trainer.max_epochs=2", run="straight"))
+    first = train(make_cfg(*SMALL, "trainer.max_epochs=1", run="first"))
+    last = Path(first["test_checkpoint"]).parent / "last.ckpt"
+    resumed = train(make_cfg(*SMALL, "trainer.max_epochs=2", f"ckpt_path={last}", run="resumed"))
+    a = _weights(Path(straight["test_checkpoint"]).parent / "last.ckpt")
+    b = _weights(Path(resumed["test_checkpoint"]).parent / "last.ckpt")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+    assert resumed["val/auc"] == straight["val/auc"]
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_reduce_the_metrics_of_every_row(make_cfg, tmp_path, data_dir):
+    """``hardware=ddp_cpu`` as a user runs it: the test AUC, logloss, ... it reports (rows split
+    between the ranks, AUC from the gathered scores) equal a single-process evaluation of its
+    checkpoint, and each rank stepped through half of the training rows."""
+    log_dir = tmp_path / "ddp"
+    cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *SMALL, *CHEAP, "trainer.max_epochs=2",
+           f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
+    (run_dir,) = (log_dir / "train" / "runs").iterdir()
+    trained = json.loads((run_dir / "metrics.json").read_text())
+    ckpt = trained["test_checkpoint"]
+    single = evaluate(make_cfg(*SMALL, f"ckpt_path={ckpt}", name="eval", run="single"))
+    test = {k: v for k, v in trained.items() if k.startswith("test/") and "per_s" not in k}
+    assert set(test) >= {"test/auc", "test/logloss", "test/accuracy", "test/calibration"}
+    assert test == pytest.approx({k: single[k] for k in test}, abs=1e-6)
+    datamodule, _ = build(make_cfg(*SMALL, run="probe"))
+    n_train = datamodule.metadata["splits"]["train"]["rows"]
+    state = torch.load(Path(ckpt).parent / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 2 * math.ceil((n_train // 2) / 128)
+
+
+def test_adam_on_sparse_tables_is_refused_in_one_line(make_cfg):
+    _, task = build(make_cfg(*SMALL, "optimizer=adam"))
+    with pytest.raises(UserInputError, match=r"^optimizer Adam cannot update the embedding tables' sparse "
+                       r"gradients: .*model.sparse_gradients=false$"):
+        task.configure_optimizers()
+
+
+def test_adam_with_dense_tables_and_row_wise_groups(make_cfg):
+    _, task = build(make_cfg(*SMALL, "optimizer=adam", "model.sparse_gradients=false"))
+    assert isinstance(task.configure_optimizers(), torch.optim.Adam)
+    _, task = build(make_cfg(*SMALL, "optimizer=rowwise_adagrad"))
+    optimizer = task.configure_optimizers()
+    groups = optimizer.param_groups
+    tables = {id(p) for p in task.model.sparse_parameters()}
+    assert [bool(g.get("sparse")) for g in groups] == [False, True]
+    assert {id(p) for p in groups[1]["params"]} == tables
+    assert not tables & {id(p) for p in groups[0]["params"]}
+    assert sum(p.numel() for g in groups for p in g["params"]) == sum(p.numel() for p in task.parameters())
+
+
+def test_the_schedule_steps_once_per_update(make_cfg):
+    warmup, start, steps = 4, 6, 5
+    schedule = ["+task.scheduler._target_=recforge.optim.schedules.DLRMLRPolicy", "+task.scheduler._partial_=true",
+                f"+task.scheduler.warmup_steps={warmup}", f"+task.scheduler.decay_start_step={start}",
+                f"+task.scheduler.decay_steps={steps}"]
+    cfg = make_cfg(*SMALL, "trainer.max_epochs=1", "trainer.limit_train_batches=8", "trainer.limit_val_batches=1",
+                   "test=false", *schedule)
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.select(cfg, "task.scheduler.warmup_steps") == warmup
+    datamodule, task = build(cfg)
+    import lightning as L
+
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=8, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(task, datamodule=datamodule)
+    lr = task.optimizers().param_groups[0]["lr"]
+    assert lr == pytest.approx(cfg.optimizer.lr * dlrm_lr_scale(8, warmup, start, steps, 1e-7))
+
+
+def test_a_logloss_monitor_is_minimised(make_cfg):
+    cfg = make_cfg(*SMALL, "evaluation.monitor=val/logloss")
+    assert cfg.optimized_metric == "val/logloss"
+    assert cfg.callbacks.model_checkpoint.mode == "min" and cfg.callbacks.early_stopping.mode == "min"
+    cfg = make_cfg(*SMALL)
+    assert cfg.callbacks.model_checkpoint.mode == "max" and cfg.callbacks.early_stopping.mode == "max"
+
+
+@pytest.mark.slow
+def test_profiler_preset_writes_a_tensorboard_trace(make_cfg, tmp_path):
+    cfg = make_cfg(*SMALL, "debug=profiler", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
+                   "trainer.detect_anomaly=false")
+    train(cfg)
+    traces = list(Path(cfg.paths.output_dir, "tensorboard", "profiler").glob("*.pt.trace.json"))
+    assert traces, "no trace written"
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)
+
+
+@pytest.mark.slow
+def test_the_real_criteo_sample_from_raw_text_to_metrics(make_cfg, shared_data_dir, tmp_path):
+    raw = shared_data_dir / "criteo" / "train.tiny.txt"
+    out = tmp_path / "prepared"
+    done = subprocess.run(
+        [sys.executable, "-m", "recforge.data.criteo.prepare", "--raw", str(raw), "--out", str(out),
+         "--categorical", "vocab", "--split", "random_7_2_1", "--seed", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    cfg = make_cfg("model=dlrm", "data=criteo_kaggle", f"data.prepared_dir={out}", "data.batch_size=64",
+                   "trainer.max_epochs=3", "model.dense_arch=[32,16]", "model.over_arch=[32]",
+                   "model.embedding_dim=8")
+    metrics = train(cfg)
+    meta = json.loads((out / "metadata.json").read_text())
+    assert sum(s["rows"] for s in meta["splits"].values()) == 1999
+    assert 0.0 <= metrics["test/auc"] <= 1.0 and math.isfinite(metrics["test/logloss"])
