@@ -146,10 +146,10 @@ def _rank_failures(stderr: str) -> str:
 
 def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     """hardware=ddp_cpu as a user runs it: Lightning relaunches src/train.py for rank 1."""
-    from conftest import CHEAP, REPO_ROOT, SHRINK
+    from conftest import CHEAP, REPO_ROOT, compose_config, shrinks_for
 
     # the command line takes only keys the default (GRU4Rec, synthetic sessions) config has
-    GRU4REC_SIZES = [o for o in SHRINK if not o.startswith("data.generator.n_users")]
+    GRU4REC_SIZES = shrinks_for(compose_config("train", [], tmp_path / "probe", data_dir), [])
 
     log_dir = tmp_path / "ddp"
     cmd = [

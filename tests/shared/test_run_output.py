@@ -56,7 +56,7 @@ def test_help_has_a_project_header(tmp_path: Path):
     assert done.returncode == 0
     assert done.stdout.startswith("recforge: train, sweep and compare")
     for text in ("python src/eval.py ckpt_path=", "== Config groups (group=option) ==",
-                 "model: gru4rec", "loss: bce, bpr, bprmax", "HYDRA_FULL_ERROR=1"):
+                 "model: dlrm, gru4rec, hstu, sasrec", "loss: bce, bpr, bprmax", "HYDRA_FULL_ERROR=1"):
         assert text in done.stdout, text
 
 
