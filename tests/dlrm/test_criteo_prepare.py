@@ -531,7 +531,7 @@ def test_empty_missing_truncated_and_wrong_files(tmp_path):
 
 def test_bad_parameters_and_a_directory_that_is_not_prepared(tmp_path):
     path = write_lines(tmp_path / "t.txt", synthetic_lines(10))
-    assert_one_line_error(tmp_path, "needs max_ind_range", path)
+    assert_one_line_error(tmp_path, "needs max_ind_range", path, categorical="hash")
     assert_one_line_error(tmp_path, "min_frequency applies to categorical='vocab' only", path,
                           max_ind_range=5, min_frequency=3)
     assert_one_line_error(tmp_path, "max_ind_range applies to categorical='hash' only", path,
@@ -545,6 +545,14 @@ def test_bad_parameters_and_a_directory_that_is_not_prepared(tmp_path):
     with pytest.raises(UserInputError, match="not a prepared Criteo directory; refusing to replace it"):
         prepare_criteo(path, keep, max_ind_range=5)
     assert (keep / "notes.txt").read_text() == "precious"
+
+
+def test_the_mode_follows_max_ind_range_when_not_given(tmp_path):
+    path = write_lines(tmp_path / "t.txt", synthetic_lines(30))
+    hashed = json.loads((prepare_criteo(path, tmp_path / "h", max_ind_range=7) / "metadata.json").read_text())
+    vocab = json.loads((prepare_criteo(path, tmp_path / "v") / "metadata.json").read_text())
+    assert hashed["cardinalities"] == [8] * 26
+    assert hashed["categorical"]["mode"] == "hash" and vocab["categorical"]["mode"] == "vocab"
 
 
 # ---------------------------------------------------------------------------- metadata, cache, CLI

@@ -101,6 +101,14 @@ def test_adam_with_dense_tables_and_row_wise_groups(make_cfg):
     assert {id(p) for p in groups[1]["params"]} == tables
     assert not tables & {id(p) for p in groups[0]["params"]}
     assert sum(p.numel() for g in groups for p in g["params"]) == sum(p.numel() for p in task.parameters())
+    from recforge.optim.rowwise_adagrad import RowWiseAdagrad
+
+    _, task = build(make_cfg(*SMALL, "optimizer=adam_rowwise_adagrad"))
+    optimizer = task.configure_optimizers()
+    assert isinstance(optimizer.optimizers["dense"], torch.optim.Adam)
+    assert isinstance(optimizer.optimizers["sparse"], RowWiseAdagrad)
+    tables = {id(p) for p in task.model.sparse_parameters()}
+    assert {id(p) for p in optimizer.optimizers["sparse"].param_groups[0]["params"]} == tables
 
 
 def test_the_schedule_steps_once_per_update(make_cfg):

@@ -97,7 +97,7 @@ class CTRTask(RecTask):
         if isinstance(cls, type) and _qualname(cls) not in _SPARSE_CAPABLE:
             raise UserInputError(
                 f"optimizer {cls.__name__} cannot update the embedding tables' sparse gradients: "
-                "use optimizer=sgd, adagrad or rowwise_adagrad (tables row-wise, the rest dense), "
+                "use optimizer=sgd, adagrad, rowwise_adagrad or adam_rowwise_adagrad (tables row-wise), "
                 "or set model.sparse_gradients=false"
             )
 

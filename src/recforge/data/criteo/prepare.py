@@ -128,10 +128,13 @@ def _day_files(paths: list[Path]) -> list[Path]:
 
 
 def _params(
-    layout: str, categorical: str, max_ind_range: int | None, min_frequency: int, split: str, seed: int,
+    layout: str, categorical: str | None, max_ind_range: int | None, min_frequency: int, split: str, seed: int,
     on_malformed: str, max_malformed_fraction: float, chunk_rows: int,
 ) -> dict[str, Any]:
     """Checked parameters, those that do not apply left out (they key ensure_prepared's cache)."""
+    if categorical is None:
+        # a table size asks for hashing; otherwise the reference's per-feature contiguous ids
+        categorical = "hash" if max_ind_range is not None else "vocab"
     if layout not in LAYOUTS:
         raise UserInputError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if categorical not in CATEGORICAL_MODES:
@@ -257,7 +260,7 @@ def prepare_criteo(
     out_dir: PathArg,
     *,
     layout: str = "auto",
-    categorical: str = "hash",
+    categorical: str | None = None,
     max_ind_range: int | None = None,
     min_frequency: int = 1,
     split: str = "kaggle7",
@@ -273,7 +276,8 @@ def prepare_criteo(
     ``raw``: one file or several, read in order as one stream of rows (``split="days"``: the day
     files, or a directory of ``day_N[.gz]`` files; ``split="files"``: the training files).
     ``layout``: ``auto`` | ``tsv`` | ``csv`` (:mod:`.raw`). ``categorical``: ``hash`` (needs
-    ``max_ind_range``) or ``vocab`` (``min_frequency``, counted on train only), see
+    ``max_ind_range``) or ``vocab`` (``min_frequency``, counted on train only); None (default):
+    ``hash`` when ``max_ind_range`` is given, else ``vocab``; see
     :mod:`.transform`. ``split``: ``kaggle7`` | ``random_7_2_1`` | ``random_8_1_1`` (``seed``) |
     ``days`` | ``files`` (with ``valid`` and/or ``test`` files), see :mod:`.splits`.
     ``chunk_rows``: lines parsed at a time (memory; the output does not depend on it).
@@ -291,6 +295,7 @@ def prepare_criteo(
     _check_out_dir(out_dir, sources)
     plan = _plan(sources, split, seed)
     encoder: HashEncoder | VocabEncoder
+    categorical = params["categorical"]
     if categorical == "hash":
         encoder = HashEncoder(max_ind_range)
     else:
@@ -341,7 +346,7 @@ def prepared_key(
     valid: PathArg | Sequence[PathArg] | None = None,
     test: PathArg | Sequence[PathArg] | None = None,
     layout: str = "auto",
-    categorical: str = "hash",
+    categorical: str | None = None,
     max_ind_range: int | None = None,
     min_frequency: int = 1,
     split: str = "kaggle7",
@@ -373,7 +378,7 @@ def ensure_prepared(
     valid: PathArg | Sequence[PathArg] | None = None,
     test: PathArg | Sequence[PathArg] | None = None,
     layout: str = "auto",
-    categorical: str = "hash",
+    categorical: str | None = None,
     max_ind_range: int | None = None,
     min_frequency: int = 1,
     split: str = "kaggle7",
@@ -432,9 +437,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", choices=LAYOUTS, default="auto",
                         help="tsv: label, I1..I13, C1..C26 tab-separated, no header; csv: a header naming "
                         "Label, I1..I13, C1..C26 (Id ignored); auto: from the first line (default)")
-    parser.add_argument("--categorical", choices=CATEGORICAL_MODES, default="hash",
+    parser.add_argument("--categorical", choices=CATEGORICAL_MODES, default=None,
                         help="hash: 0 = missing, 1 + (value mod --max-ind-range); vocab: 0 = missing, "
-                        "1 = out of vocabulary, 2.. = values seen --min-frequency times in train")
+                        "1 = out of vocabulary, 2.. = values seen --min-frequency times in train (default: hash "
+                        "when --max-ind-range is given, else vocab: the reference's per-feature ids)")
     parser.add_argument("--max-ind-range", type=int, help="hash: rows per table minus one (required)")
     parser.add_argument("--min-frequency", type=int, default=1, help="vocab: keep values seen this often in train")
     parser.add_argument("--split", choices=SPLIT_KINDS, default="kaggle7",
