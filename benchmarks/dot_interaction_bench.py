@@ -32,7 +32,7 @@ import os
 import statistics
 
 import torch
-from timing import device_name, synchronize, time_calls
+from timing import device_name, peak_mib, time_calls
 
 N_SPARSE = 26
 
@@ -119,7 +119,7 @@ def _bench_size(batch, dim, impls, ops, n_out, dtype, device, args) -> None:
             with torch.no_grad():
                 fwd, out = time_calls(lambda: call(impl), device, args.warmup, args.repeats)
             both, _ = time_calls(lambda: forward_backward(impl), device, args.warmup, args.repeats)
-            peak = _peak_mib(lambda: forward_backward(impl), device)
+            peak = peak_mib(lambda: forward_backward(impl), device)
         except torch.cuda.OutOfMemoryError:
             print(f"{batch:>6} {dim:>4} {impl:<9} {'OOM':>11}")
             torch.cuda.empty_cache()
@@ -135,18 +135,6 @@ def _bench_size(batch, dim, impls, ops, n_out, dtype, device, args) -> None:
 
 def _rel(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
-
-
-def _peak_mib(fn, device) -> float:
-    """MiB allocated at the peak of one call, above what was allocated before it (CUDA only)."""
-    if device.type != "cuda":
-        return float("nan")
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn()
-    synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 if __name__ == "__main__":

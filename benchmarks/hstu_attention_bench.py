@@ -36,7 +36,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from timing import device_name, synchronize, time_calls
+from timing import device_name, peak_mib, time_calls
 
 NUM_BUCKETS = 128
 
@@ -172,7 +172,7 @@ def main() -> None:
                 with torch.no_grad():
                     fwd, _ = time_calls(lambda: call(impl), device, args.warmup, args.repeats)
                 both, _ = time_calls(lambda: forward_backward(impl), device, 1, args.repeats)
-                peak = _peak_mib(lambda: forward_backward(impl), device)
+                peak = peak_mib(lambda: forward_backward(impl), device)
             except torch.cuda.OutOfMemoryError:
                 print(f"{length:>6} {n_rows:>4} {impl:<7} {'OOM':>11}")
                 torch.cuda.empty_cache()
@@ -189,18 +189,6 @@ def main() -> None:
 
 def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-
-def _peak_mib(fn, device) -> float:
-    """MiB allocated at the peak of one call, above what was allocated before it (CUDA only)."""
-    if device.type != "cuda":
-        return float("nan")
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn()
-    synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 if __name__ == "__main__":

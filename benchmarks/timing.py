@@ -30,3 +30,16 @@ def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, repe
         synchronize(device)
         seconds.append(time.perf_counter() - start)
     return seconds, out
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """MiB allocated at the peak of one call of ``fn``, above what was allocated before it (CUDA
+    only; NaN elsewhere)."""
+    if device.type != "cuda":
+        return float("nan")
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
