@@ -256,9 +256,17 @@ def test_evaluation_logs_each_split_and_resets() -> None:
 
 
 @pytest.mark.parametrize(("monitor", "mode"), [("val/auc", "max"), ("val/logloss", "min"),
-                                               ("test/accuracy", "max"), (None, None)])
-def test_evaluation_mode(monitor: str | None, mode: str | None) -> None:
-    assert CTREvaluation(monitor=monitor).mode == mode
+                                               ("test/accuracy", "max")])
+def test_checkpoints_follow_each_monitor_the_right_way(monitor: str, mode: str) -> None:
+    # checkpointing and early stopping take their mode from the config resolver; it must agree
+    # with the metrics' own table for every metric a CTR evaluation accepts as a monitor
+    from recforge.metrics.ctr import CTR_METRIC_MODES
+    from recforge.utils.resolvers import metric_mode
+
+    assert CTREvaluation(monitor=monitor).monitor == monitor
+    assert metric_mode(monitor) == CTR_METRIC_MODES[monitor.split("/")[1]] == mode
+    followable = [name for name, direction in CTR_METRIC_MODES.items() if direction is not None]
+    assert all(metric_mode(f"val/{name}") == CTR_METRIC_MODES[name] for name in followable)
 
 
 @pytest.mark.parametrize(

@@ -63,10 +63,6 @@ class CTREvaluation(nn.Module):
     def _direction(name: str) -> str | None:
         return CTR_METRIC_MODES[name.split("/", 1)[1]]
 
-    @property
-    def mode(self) -> str | None:
-        """``"max"`` (auc, accuracy) or ``"min"`` (logloss) for the monitored metric; None without one."""
-        return None if self.monitor is None else self._direction(self.monitor)
 
     def logged_names(self) -> list[str]:
         """Every metric name this evaluation logs (``val/auc``, ``test/logloss``, ...)."""
