@@ -24,8 +24,8 @@ class CTREvaluation(nn.Module):
     checkpointing, early stopping and sweeps follow (``optimized_metric``): one this evaluation
     logs, and one with a direction (``auc``, ``accuracy``: higher is better; ``logloss``: lower);
     ``calibration`` is best at 1, so neither ``max`` nor ``min`` can follow it, and
-    ``positive_rate``/``count`` describe the data. :attr:`mode` says which way the monitored
-    metric improves.
+    ``positive_rate``/``count`` describe the data. The callbacks take the direction from the
+    ``recforge_metric_mode`` resolver (``utils/resolvers.py``).
 
     One :class:`CTRMetrics` per split (``val``, ``test``); their states are reduced across DDP
     ranks when computed.
