@@ -167,3 +167,24 @@ def test_the_real_criteo_sample_from_raw_text_to_metrics(make_cfg, shared_data_d
     meta = json.loads((out / "metadata.json").read_text())
     assert sum(s["rows"] for s in meta["splits"].values()) == 1999
     assert 0.0 <= metrics["test/auc"] <= 1.0 and math.isfinite(metrics["test/logloss"])
+
+
+@pytest.mark.slow
+def test_the_readme_criteo_lines_in_a_users_order(shared_data_dir, tmp_path):
+    """The README's Criteo lines as typed, in one checkout: train from the raw file (converted
+    into the cache), then the prepare CLI into its own --out, then train on what it wrote."""
+    import shutil
+
+    from conftest import readme_commands, run_command, user_checkout
+
+    lines = [c for c in readme_commands() if "data/raw/criteo/train.txt" in c]
+    from_raw = next(c for c in lines if c.startswith("python src/train.py model=dlrm data=criteo_kaggle"))
+    prepare = next(c for c in lines if "recforge.data.criteo.prepare" in c)
+    out = prepare.split("--out ", 1)[1].split()[0]
+    checkout = user_checkout(tmp_path / "repo", local=["trainer.max_epochs=1"])
+    (checkout / "data" / "raw" / "criteo").mkdir(parents=True)
+    shutil.copy2(shared_data_dir / "criteo" / "train.tiny.txt", checkout / "data" / "raw" / "criteo" / "train.txt")
+    for command in (from_raw, prepare, f"python src/train.py model=dlrm data.prepared_dir={out} data=criteo_kaggle"):
+        done = run_command(command, cwd=checkout)
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    assert (checkout / out / "metadata.json").is_file()
