@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import log_loss, roc_auc_score
+
+from sklearn_peer import sklearn_peer
 
 from recforge.data.criteo.prepared import DENSE_COLUMNS, LABEL_COLUMN, SPARSE_COLUMNS, read_metadata, split_files
 from recforge.data.criteo.synthetic import (
@@ -101,8 +101,10 @@ def test_oracle_metrics_match_sklearn_on_the_stored_rows(generated):
         labels, dense, sparse = read_split(path, split)
         # The click model reads only what is stored, so the files give back its probabilities.
         prob = model.probabilities(dense, sparse)
-        assert meta["oracle"][split]["auc"] == pytest.approx(roc_auc_score(labels, prob), abs=1e-12)
-        assert meta["oracle"][split]["logloss"] == pytest.approx(log_loss(labels, prob), abs=1e-9)
+        want_auc = sklearn_peer("roc_auc", labels=labels, scores=prob)
+        want_logloss = sklearn_peer("log_loss", labels=labels, probabilities=prob)
+        assert meta["oracle"][split]["auc"] == pytest.approx(want_auc, abs=1e-12)
+        assert meta["oracle"][split]["logloss"] == pytest.approx(want_logloss, abs=1e-9)
     assert meta["oracle_auc"] == meta["oracle"]["test"]["auc"]
     assert meta["oracle_logloss"] == meta["oracle"]["test"]["logloss"]
     assert 0.75 < meta["oracle_auc"] < 0.85  # Criteo-like difficulty (BARS' best is 0.8154)
@@ -145,26 +147,14 @@ def test_logit_components_have_their_configured_scales():
     assert prob.mean() == pytest.approx(config.base_ctr, abs=0.01)
 
 
-@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")  # a few steps on purpose
 def test_a_one_hot_logistic_regression_learns_the_click_model(generated):
     config, path = generated
     meta = read_metadata(path)
-    offsets = np.r_[0, np.cumsum(meta["cardinalities"])[:-1]]
-
-    def one_hot(split):
-        from scipy.sparse import csr_matrix, hstack
-
-        labels, dense, sparse = read_split(path, split)
-        n = len(labels)
-        cols = (sparse + offsets).ravel()
-        x = csr_matrix((np.ones(cols.size), (np.repeat(np.arange(n), 26), cols)),
-                       shape=(n, sum(meta["cardinalities"])))
-        return hstack([x, csr_matrix(dense)]).tocsr(), labels
-
-    x_train, y_train = one_hot("train")
-    x_test, y_test = one_hot("test")
-    fit = LogisticRegression(C=0.1, max_iter=30).fit(x_train, y_train)
-    auc = roc_auc_score(y_test, fit.predict_proba(x_test)[:, 1])
+    train_labels, train_dense, train_sparse = read_split(path, "train")
+    test_labels, test_dense, test_sparse = read_split(path, "test")
+    auc = sklearn_peer("one_hot_logistic_auc", cardinalities=np.asarray(meta["cardinalities"]), C=0.1, max_iter=30,
+                       train_labels=train_labels, train_dense=train_dense, train_sparse=train_sparse,
+                       test_labels=test_labels, test_dense=test_dense, test_sparse=test_sparse)
     assert 0.64 < auc < meta["oracle_auc"]
 
 

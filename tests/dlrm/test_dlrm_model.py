@@ -279,6 +279,7 @@ def test_reference_loader_refuses_what_does_not_fit() -> None:
 
 # ---------------------------------------------------------------- torch.compile
 @pytest.mark.slow
+@pytest.mark.isolated
 @pytest.mark.parametrize(
     ("interaction", "kernel"),
     [("dot", "pytorch"), ("dcnv2", "pytorch"), pytest.param("dot", "triton", marks=pytest.mark.triton)],

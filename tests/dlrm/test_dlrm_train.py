@@ -140,6 +140,7 @@ def test_a_logloss_monitor_is_minimised(make_cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.isolated
 def test_profiler_preset_writes_a_tensorboard_trace(make_cfg, tmp_path):
     cfg = make_cfg(*SMALL, "debug=profiler", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
                    "trainer.detect_anomaly=false")
