@@ -5,7 +5,8 @@ and optimizer the config builds (``experiment=dlrm_criteo_kaggle`` by default), 
 Lightning's loop.
 
 Batches are made before timing, as the reference's own benchmark numbers are taken (spec §4): 13
-dense values log(1 + randint(0, 100)), one uniform id per table, random labels. Tables default to
+dense values log(1 + randint(0, 100)), one uniform id per table (with ``--multi-hot mlperf``, that
+id's MLPerf bag), random labels. Tables default to
 the full Kaggle sizes (33.8M rows; ``--tables small`` uses the reference oracle's 500 + 13 i rows:
 step time barely depends on it, since sparse SGD touches batch x 26 rows). Fixed thread count;
 ``--windows`` windows of ``--steps`` steps after ``--warmup``; prints min and median samples/s
@@ -14,6 +15,7 @@ alternately (the machine is shared): see benchmarks/README.md.
 
     python benchmarks/dlrm_throughput.py --batch 128
     python benchmarks/dlrm_throughput.py --batch 2048 --override model.interaction_kernel=triton --device cuda
+    python benchmarks/dlrm_throughput.py --experiment dlrm_dcnv2_criteo_terabyte --batch 2048 --multi-hot mlperf
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--multi-hot", choices=["none", "mlperf"], default="none",
+                   help="mlperf: each id becomes a bag of MLPerf DLRM-DCNv2's size (sum-pooled lookup)")
     return p.parse_args(argv)
 
 
@@ -82,11 +86,16 @@ def main(argv=None) -> dict:
     task.to(device).train()
     optimizer = task.optimizer_factory(params=task.optimizer_params())
 
+    from recforge.data.criteo.multi_hot import MLPERF_BAG_SIZES, MultiHot
+
+    multi_hot = MultiHot(MLPERF_BAG_SIZES, tuple(cards)) if args.multi_hot == "mlperf" else None
     g = torch.Generator().manual_seed(args.seed)
     batches = []
     for _ in range(64):
         dense = torch.log1p(torch.randint(0, 100, (args.batch, 13), generator=g).float())
         sparse = torch.stack([torch.randint(0, c, (args.batch,), generator=g) for c in cards], 1)
+        if multi_hot is not None:
+            sparse = multi_hot.expand(sparse.numpy())
         labels = torch.randint(0, 2, (args.batch,), generator=g).float()
         batches.append((dense.to(device), sparse.to(device), labels.to(device)))
 
@@ -114,7 +123,7 @@ def main(argv=None) -> dict:
         rates.append(args.steps * args.batch / (time.perf_counter() - t))
     out = {
         "impl": "recforge", "experiment": args.experiment, "overrides": args.override, "batch": args.batch,
-        "threads": args.threads, "tables": args.tables, "device": args.device, "build_s": round(build_s, 1),
+        "multi_hot": args.multi_hot, "threads": args.threads, "tables": args.tables, "device": args.device, "build_s": round(build_s, 1),
         "samples_per_s_min": round(min(rates)), "samples_per_s_median": round(statistics.median(rates)),
         "samples_per_s_max": round(max(rates)),
     }

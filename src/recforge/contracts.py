@@ -124,7 +124,9 @@ class CTRModel(Protocol):
     """A click-through-rate model over Criteo-shaped rows (DLRM).
 
     ``forward(dense [B, n_dense] float32, sparse [B, n_sparse] int64) -> [B]`` click logits;
-    ``sparse[:, f]`` are row indices into feature f's table (``[0, cardinalities[f])``).
+    ``sparse[:, f]`` are row indices into feature f's table (``[0, cardinalities[f])``). Multi-hot
+    data passes :class:`recforge.data.batches.SparseBags` as ``sparse`` instead (a model that
+    takes them pools each bag).
     ``sparse_parameters()``: the embedding tables' parameters (the optimiser may treat them
     apart: sparse gradients, row-wise Adagrad).
     """

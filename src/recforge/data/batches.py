@@ -138,24 +138,89 @@ class HistoryBatch:
 
 
 @dataclass
+class SparseBags:
+    """Multi-hot categorical features: a bag of ids per (feature, row), jagged, feature-major
+    (torchrec's ``KeyedJaggedTensor`` layout without the keys).
+
+    Bag ``k = f * batch_size + b`` (feature f of row b) holds ``values[offsets[k]:offsets[k + 1]]``,
+    ids in feature f's table; bags may be empty. One-hot rows ``sparse [B, F]`` are the case of
+    bags of one (:meth:`from_one_hot`).
+
+    Shapes: values ``[N]`` int64; offsets ``[F * B + 1]`` int64 (``offsets[0] == 0``,
+    ``offsets[-1] == N``); ``batch_size`` B.
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        bags = int(self.offsets.shape[0]) - 1
+        if self.batch_size < 1 or bags % self.batch_size:
+            raise ValueError(f"SparseBags: {bags} bags are not n_features x batch_size={self.batch_size}")
+
+    @property
+    def n_features(self) -> int:
+        return (int(self.offsets.shape[0]) - 1) // self.batch_size
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[F, B]`` bag sizes."""
+        return (self.offsets[1:] - self.offsets[:-1]).view(self.n_features, self.batch_size)
+
+    @classmethod
+    def from_one_hot(cls, sparse: torch.Tensor) -> SparseBags:
+        """Bags of one id from ``sparse [B, F]``."""
+        b, f = sparse.shape
+        offsets = torch.arange(b * f + 1, dtype=torch.int64, device=sparse.device)
+        return cls(sparse.t().reshape(-1).to(torch.int64), offsets, b)
+
+    def rows(self, lo: int, hi: int) -> SparseBags:
+        """Rows ``[lo, hi)`` (``0 <= lo < hi``; ``hi`` is clipped to the batch), every feature's
+        bags for them."""
+        b = self.batch_size
+        hi = min(hi, b)
+        if not 0 <= lo < hi:
+            raise ValueError(f"SparseBags.rows({lo}, {hi}): expected 0 <= lo < hi <= {b}")
+        starts = torch.arange(self.n_features, device=self.offsets.device) * b
+        begins, ends = self.offsets[starts + lo].tolist(), self.offsets[starts + hi].tolist()
+        values = torch.cat([self.values[s:e] for s, e in zip(begins, ends)])
+        sizes = self.lengths[:, lo:hi].reshape(-1)
+        offsets = torch.zeros(sizes.numel() + 1, dtype=torch.int64, device=self.offsets.device)
+        torch.cumsum(sizes, 0, out=offsets[1:])
+        return SparseBags(values, offsets, hi - lo)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseBags:
+        return SparseBags(self.values.to(device, non_blocking=non_blocking),
+                          self.offsets.to(device, non_blocking=non_blocking), self.batch_size)
+
+
+@dataclass
 class CTRBatch:
     """Criteo-shaped rows for click-through-rate prediction (DLRM).
 
     ``dense[b]`` are row b's numerical features after the data's transform (log(1 + x) of the
     value clipped at 0, missing = 0); ``sparse[b, f]`` the index of its categorical feature f in
     that feature's table (``[0, cardinalities[f])``, missing and rare values have their own
-    indices, as the data's metadata says); ``labels[b]`` 1.0 for a click, 0.0 otherwise.
+    indices, as the data's metadata says), or, for multi-hot features, :class:`SparseBags` of such
+    indices; ``labels[b]`` 1.0 for a click, 0.0 otherwise.
 
-    Shapes: dense ``[B, n_dense]`` float32; sparse ``[B, n_sparse]`` int64; labels ``[B]`` float32.
+    Shapes: dense ``[B, n_dense]`` float32; sparse ``[B, n_sparse]`` int64 or bags of
+    ``n_sparse`` features for B rows; labels ``[B]`` float32.
     """
 
     dense: torch.Tensor
-    sparse: torch.Tensor
+    sparse: torch.Tensor | SparseBags
     labels: torch.Tensor
 
     @property
     def size(self) -> int:
         return int(self.labels.shape[0])
+
+    def rows(self, lo: int, hi: int) -> CTRBatch:
+        """Rows ``[lo, hi)``."""
+        sparse = self.sparse.rows(lo, hi) if isinstance(self.sparse, SparseBags) else self.sparse[lo:hi]
+        return CTRBatch(self.dense[lo:hi], sparse, self.labels[lo:hi])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> CTRBatch:
         """The batch on ``device`` (itself when already there)."""

@@ -34,10 +34,10 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import lightning as L
 import numpy as np
@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from recforge.config_values import Range
 from recforge.data.batches import CTRBatch
+from recforge.data.criteo.multi_hot import MLPERF_BAG_SIZES, MultiHot
 from recforge.data.criteo.prepared import (
     DENSE_COLUMNS,
     LABEL_COLUMN,
@@ -182,10 +183,10 @@ class _Reader:
             k += 1
 
 
-def _batch(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> CTRBatch:
+def _batch(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray, multi_hot: MultiHot | None = None) -> CTRBatch:
     return CTRBatch(
         dense=torch.from_numpy(dense),
-        sparse=torch.from_numpy(sparse).to(torch.int64),
+        sparse=torch.from_numpy(sparse).to(torch.int64) if multi_hot is None else multi_hot.expand(sparse),
         labels=torch.from_numpy(labels),
     )
 
@@ -211,8 +212,9 @@ class CriteoStream(IterableDataset):
     ``w, w + W, ...``, which a DataLoader, taking one item from each worker in turn, yields in
     file order; when shuffling, each worker takes a contiguous span of whole batches.
 
-    Batches: dense ``[B, 13]`` float32, sparse ``[B, 26]`` int64, labels ``[B]`` float32, with
-    ``B = batch_size`` except for the rank's last batch.
+    Batches: dense ``[B, 13]`` float32, sparse ``[B, 26]`` int64 (or, with ``multi_hot``, its
+    :class:`~recforge.data.batches.SparseBags`), labels ``[B]`` float32, with ``B = batch_size`` except for the rank's
+    last batch.
     """
 
     def __init__(
@@ -228,8 +230,10 @@ class CriteoStream(IterableDataset):
         equal_shares: bool = False,
         drop_last: bool = False,
         group: int = 1,
+        multi_hot: MultiHot | None = None,
     ) -> None:
         super().__init__()
+        self.multi_hot = multi_hot
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if drop_last and not equal_shares:
@@ -292,7 +296,7 @@ class CriteoStream(IterableDataset):
         ranges = self.item_ranges(worker, workers)
         if not self.shuffle:
             for lo, hi in ranges:
-                yield _batch(*_concat(list(reader.pieces(lo, hi))))
+                yield _batch(*_concat(list(reader.pieces(lo, hi))), self.multi_hot)
             return
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, self.epoch, self.rank, worker]))
         for lo, hi in ranges:
@@ -321,7 +325,7 @@ class CriteoStream(IterableDataset):
             del rows, pool
             keep = pooled if final else pooled // b * b
             for s in range(0, keep, item):
-                yield _batch(*(column[s: min(s + item, keep)] for column in mixed))
+                yield _batch(*(column[s: min(s + item, keep)] for column in mixed), self.multi_hot)
             # Rows short of a batch wait for the next fill (copied: the batches hold ``mixed``).
             pool = [tuple(column[keep:].copy() for column in mixed)] if keep < pooled else []
             del mixed
@@ -354,7 +358,7 @@ class _EpochLoader(DataLoader):
         b = self.dataset.batch_size
         for item in items:
             for s in range(0, item.size, b):
-                yield CTRBatch(item.dense[s: s + b], item.sparse[s: s + b], item.labels[s: s + b])
+                yield item.rows(s, s + b)
 
 
 def _int(key: str, value: Any, low: int) -> int:
@@ -378,6 +382,11 @@ class CriteoDataModule(L.LightningDataModule):
     mixed at a time, per worker) as the module docstring says; ``drop_last`` drops each rank's
     last training batch when it is partial. A split without rows in the metadata is absent: no
     ``valid`` means no validation (``has_validation``), and testing needs ``test``.
+
+    ``multi_hot`` (``{sizes, distribution, seed}``, see :mod:`recforge.data.criteo.multi_hot`;
+    ``mlperf`` is MLPerf's sizes, uniform, seed 0)
+    turns every row's ids into bags as it is read (MLPerf DLRM-DCNv2's synthetic multi-hot Criteo):
+    batches then carry :class:`~recforge.data.batches.SparseBags`. Null (the default) keeps one id per feature.
     """
 
     batch_type = CTRBatch
@@ -394,8 +403,16 @@ class CriteoDataModule(L.LightningDataModule):
         shuffle: bool = True,
         shuffle_buffer: Annotated[int, Range(ge=0)] = DEFAULT_SHUFFLE_BUFFER,
         drop_last: bool = False,
+        multi_hot: Literal["mlperf"] | dict | None = None,
     ) -> None:
         super().__init__()
+        if multi_hot == "mlperf":
+            multi_hot = {"sizes": list(MLPERF_BAG_SIZES), "distribution": "uniform", "seed": 0}
+        if multi_hot is not None and not isinstance(multi_hot, Mapping):
+            raise UserInputError(f"data.multi_hot: expected null, mlperf, or a mapping with keys sizes, "
+                                 f"distribution, seed, got {multi_hot!r}")
+        self.multi_hot_config = None if multi_hot is None else dict(multi_hot)
+        self._multi_hot: MultiHot | None = None
         self.batch_size = _int("batch_size", batch_size, 1)
         self.eval_batch_size = _int("eval_batch_size", eval_batch_size, 1)
         self.num_workers = _int("num_workers", num_workers, 0)
@@ -455,8 +472,16 @@ class CriteoDataModule(L.LightningDataModule):
     def has_validation(self) -> bool:
         return self.metadata["splits"].get("valid", {}).get("rows", 0) > 0
 
+    @property
+    def multi_hot(self) -> MultiHot | None:
+        """The multi-hot expansion of ``data.multi_hot`` (None: one id per feature)."""
+        if self._multi_hot is None and self.multi_hot_config is not None:
+            self._multi_hot = MultiHot.from_config(self.multi_hot_config, self.cardinalities)
+        return self._multi_hot
+
     def task_inputs(self) -> dict:
         """What the CTR task takes from the data: the 26 table sizes and the dense width."""
+        _ = self.multi_hot  # a bad data.multi_hot fails here, at start
         return {"cardinalities": self.cardinalities, "n_dense": N_DENSE}
 
     def chunks(self, split: str) -> list[Chunk]:
@@ -509,6 +534,7 @@ class CriteoDataModule(L.LightningDataModule):
             equal_shares=train,
             drop_last=train and self.drop_last,
             group=group,
+            multi_hot=self.multi_hot,
         )
 
     @staticmethod
