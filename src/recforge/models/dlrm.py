@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import torch
@@ -183,30 +183,31 @@ class SparseArch(nn.Module):
                 bound = math.sqrt(1.0 / rows)
                 self.table(f).uniform_(-bound, bound)
 
-    def _check_ids(self, sparse: torch.Tensor) -> None:
-        inside = (sparse >= 0) & (sparse < self.sizes)
-        if sparse.device.type == "cuda":
+    @staticmethod
+    def _check_inside(inside: torch.Tensor, message: Callable[[torch.Tensor], str]) -> None:
+        """Raise ``message(index of the first False)`` unless ``inside`` is all true; on CUDA an
+        asynchronous device assert instead (no host sync)."""
+        if inside.device.type == "cuda":
             torch._assert_async(inside.all(), "DLRM: a sparse id is outside its feature's table")
-            return
-        if not bool(inside.all()):
-            b, f = (int(v) for v in (~inside).nonzero()[0])
-            raise ValueError(
-                f"sparse[{b}, {f}] = {int(sparse[b, f])} is outside feature {f}'s table "
-                f"[0, {self.cardinalities[f]}) (are the model's cardinalities the data's?)"
-            )
+        elif not bool(inside.all()):
+            raise ValueError(message((~inside).nonzero()[0]))
+
+    def _check_ids(self, sparse: torch.Tensor) -> None:
+        def message(where: torch.Tensor) -> str:
+            b, f = (int(v) for v in where)
+            return (f"sparse[{b}, {f}] = {int(sparse[b, f])} is outside feature {f}'s table "
+                    f"[0, {self.cardinalities[f]}) (are the model's cardinalities the data's?)")
+
+        self._check_inside((sparse >= 0) & (sparse < self.sizes), message)
 
     def _check_bag_ids(self, bags: SparseBags, feature: torch.Tensor) -> None:
-        inside = (bags.values >= 0) & (bags.values < self.sizes[feature])
-        if bags.values.device.type == "cuda":
-            torch._assert_async(inside.all(), "DLRM: a sparse id is outside its feature's table")
-            return
-        if not bool(inside.all()):
-            k = int((~inside).nonzero()[0])
+        def message(where: torch.Tensor) -> str:
+            k = int(where[0])
             f = int(feature[k])
-            raise ValueError(
-                f"sparse bag value {int(bags.values[k])} of feature {f} is outside its table "
-                f"[0, {self.cardinalities[f]}) (are the model's cardinalities the data's?)"
-            )
+            return (f"sparse bag value {int(bags.values[k])} of feature {f} is outside its table "
+                    f"[0, {self.cardinalities[f]}) (are the model's cardinalities the data's?)")
+
+        self._check_inside((bags.values >= 0) & (bags.values < self.sizes[feature]), message)
 
     def forward(self, sparse: torch.Tensor | SparseBags) -> torch.Tensor:
         """sparse ``[B, F_e]`` int64 -> ``[B, F_e, d]``: row b, feature f is feature f's row

@@ -183,7 +183,9 @@ class _Reader:
             k += 1
 
 
-def _batch(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray, multi_hot: MultiHot | None = None) -> CTRBatch:
+def _batch(
+    labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray, multi_hot: MultiHot | None = None
+) -> CTRBatch:
     return CTRBatch(
         dense=torch.from_numpy(dense),
         sparse=torch.from_numpy(sparse).to(torch.int64) if multi_hot is None else multi_hot.expand(sparse),
@@ -213,8 +215,8 @@ class CriteoStream(IterableDataset):
     file order; when shuffling, each worker takes a contiguous span of whole batches.
 
     Batches: dense ``[B, 13]`` float32, sparse ``[B, 26]`` int64 (or, with ``multi_hot``, its
-    :class:`~recforge.data.batches.SparseBags`), labels ``[B]`` float32, with ``B = batch_size`` except for the rank's
-    last batch.
+    :class:`~recforge.data.batches.SparseBags`), labels ``[B]`` float32, with ``B = batch_size``
+    except for the rank's last batch.
     """
 
     def __init__(
@@ -384,9 +386,9 @@ class CriteoDataModule(L.LightningDataModule):
     ``valid`` means no validation (``has_validation``), and testing needs ``test``.
 
     ``multi_hot`` (``{sizes, distribution, seed}``, see :mod:`recforge.data.criteo.multi_hot`;
-    ``mlperf`` is MLPerf's sizes, uniform, seed 0)
-    turns every row's ids into bags as it is read (MLPerf DLRM-DCNv2's synthetic multi-hot Criteo):
-    batches then carry :class:`~recforge.data.batches.SparseBags`. Null (the default) keeps one id per feature.
+    ``mlperf`` is MLPerf's sizes, uniform, seed 0) turns every row's ids into bags as it is read
+    (MLPerf DLRM-DCNv2's synthetic multi-hot Criteo): batches then carry
+    :class:`~recforge.data.batches.SparseBags`. Null (the default) keeps one id per feature.
     """
 
     batch_type = CTRBatch
