@@ -51,6 +51,26 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("isolated") is not None:
             item.runtest = lambda item=item: _run_in_child(item)
 
+class SaveCheckpointAt:
+    """A Lightning callback (``+callbacks.save_at._target_=conftest.SaveCheckpointAt``) that saves a
+    checkpoint inside an epoch, once, at the end of the first training batch whose global step
+    reaches ``step`` (a batch may hold several updates), as ``every_n_train_steps`` or a SLURM
+    requeue would."""
+
+    def __new__(cls, step: int, path: str):
+        import lightning as L
+
+        class _SaveAt(L.Callback):
+            saved = False
+
+            def on_train_batch_end(self, trainer, *args) -> None:
+                if not self.saved and trainer.global_step >= step:
+                    trainer.save_checkpoint(path)
+                    self.saved = True
+
+        return _SaveAt()
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     """The real data samples (``shared/data`` next to the repo, or ``$RECFORGE_SHARED_DATA``)."""

@@ -59,6 +59,30 @@ def test_resume_trains_like_an_uninterrupted_run(make_cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("workers", "steps"), [(0, (20, 40)), (2, (45,))])
+def test_resume_inside_an_epoch_trains_like_an_uninterrupted_run(make_cfg, tmp_path, workers, steps):
+    """A checkpoint saved mid-epoch (in epoch 0 at step 20, in epoch 1 at 40; 33 batches an epoch)
+    resumes on the rows the uninterrupted run trained next: the same final weights, bit for bit."""
+    loader = [f"data.num_workers={workers}", "~callbacks.early_stopping"]
+    saves = [f"+callbacks.save_{k}._target_=conftest.SaveCheckpointAt" for k in steps]
+    saves += [f"+callbacks.save_{k}.step={k}" for k in steps]
+    saves += [f"+callbacks.save_{k}.path={tmp_path / f'step{k}.ckpt'}" for k in steps]
+    straight = train(make_cfg(*SMALL, *loader, *saves, "trainer.max_epochs=2", run="straight"))
+    want = _weights(Path(straight["test_checkpoint"]).parent / "last.ckpt")
+    for k in steps:
+        mid = torch.load(tmp_path / f"step{k}.ckpt", weights_only=False)
+        assert mid["global_step"] == k and 0 < mid["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"][
+            "processed"] < 33
+        resumed = train(make_cfg(*SMALL, *loader, "trainer.max_epochs=2", f"ckpt_path={tmp_path / f'step{k}.ckpt'}",
+                                 run=f"resumed{k}"))
+        got = _weights(Path(resumed["test_checkpoint"]).parent / "last.ckpt")
+        assert torch.load(Path(resumed["test_checkpoint"]).parent / "last.ckpt", weights_only=False)[
+            "global_step"] == 66
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m, k=k, key=key: f"{k} {key}: {m}")
+
+
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_reduce_the_metrics_of_every_row(make_cfg, tmp_path, data_dir):
     """``hardware=ddp_cpu`` as a user runs it: the test AUC, logloss, ... it reports (rows split
     between the ranks, AUC from the gathered scores) equal a single-process evaluation of its

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,6 +79,18 @@ def test_resume_matches_uninterrupted_run(make_cfg):
     b = _weights(Path(straight["test_checkpoint"]).parent / "last.ckpt")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_resume_inside_an_epoch_runs_to_the_end(make_cfg, tmp_path):
+    """Lightning skips on_train_epoch_start when it resumes inside an epoch: the task's and the
+    throughput callback's epoch state must not depend on it."""
+    mid = tmp_path / "mid.ckpt"
+    saves = ["+callbacks.save_at._target_=conftest.SaveCheckpointAt", "+callbacks.save_at.step=3",
+             f"+callbacks.save_at.path={mid}"]
+    train(make_cfg("trainer.max_epochs=1", *saves, run="first"))
+    assert torch.load(mid, weights_only=False)["epoch"] == 0
+    resumed = train(make_cfg("trainer.max_epochs=1", f"ckpt_path={mid}", run="resumed"))
+    assert math.isfinite(resumed["train/loss_epoch"]) and resumed["val/recall@20"] > 0
 
 
 def test_grouped_steps_train_exactly_like_single_steps(make_cfg):

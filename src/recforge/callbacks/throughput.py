@@ -29,6 +29,10 @@ class EventThroughput(L.Callback):
         self.prog_bar_every = prog_bar_every
         self.totals: dict[str, float] = {}
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning does not call on_train_epoch_start when it resumes inside an epoch
+        self.on_train_epoch_start(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._train = {"events": 0, "batches": 0, "calls": 0, "seconds": 0.0, "t0": time.perf_counter()}
 

@@ -129,6 +129,11 @@ class RecTask(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer=optimizer)}
 
     # ------------------------------------------------------------------ training loss and epochs
+    def on_train_start(self) -> None:
+        # Lightning does not call on_train_epoch_start when it resumes inside an epoch, so the
+        # epoch's state starts here too (a resumed epoch's mean loss counts from the resume)
+        self.on_train_epoch_start()
+
     def on_train_epoch_start(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_steps = 0
