@@ -90,6 +90,30 @@ def test_resume_trains_like_an_uninterrupted_run(make_cfg):
 
 
 @pytest.mark.slow
+def test_resume_inside_an_epoch_trains_like_an_uninterrupted_run(make_cfg, tmp_path):
+    """Checkpoints saved inside epoch 0 and inside epoch 1 resume on the users the uninterrupted
+    run trained next (the loader skips the epoch's trained batches): the same final weights."""
+    exact = [*SMALL, "model.dropout_rate=0", "model.ffn_dropout_rate=0", "~callbacks.early_stopping"]
+    datamodule, _ = build(make_cfg(*exact, run="probe"))
+    datamodule.setup("fit")
+    n = len(datamodule.train_dataloader())
+    assert n >= 4
+    steps = (2, n + n // 2)
+    saves = [f"+callbacks.save_{k}._target_=conftest.SaveCheckpointAt" for k in steps]
+    saves += [f"+callbacks.save_{k}.step={k}" for k in steps]
+    saves += [f"+callbacks.save_{k}.path={tmp_path / f'step{k}.ckpt'}" for k in steps]
+    straight = train(make_cfg(*exact, *saves, "trainer.max_epochs=2", run="straight"))
+    want = torch.load(Path(straight["test_checkpoint"]).parent / "last.ckpt", weights_only=True)["state_dict"]
+    for k in steps:
+        resumed = train(make_cfg(*exact, "trainer.max_epochs=2", f"ckpt_path={tmp_path / f'step{k}.ckpt'}",
+                                 run=f"resumed{k}"))
+        got = torch.load(Path(resumed["test_checkpoint"]).parent / "last.ckpt", weights_only=True)["state_dict"]
+        for name, value in want.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"step {k}: {name}")
+
+
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_split_users_and_reduce_metrics(make_cfg, tmp_path, data_dir):
     """``model=sasrec data=synthetic_histories hardware=ddp_cpu`` as a user runs it (Lightning
     relaunches src/train.py for rank 1): each rank trains on half of the users and evaluates half

@@ -32,7 +32,6 @@ batches the training loader keeps in the checkpoint and skips on resume.
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -60,6 +59,7 @@ from recforge.data.criteo.prepared import (
     read_metadata,
     split_files,
 )
+from recforge.data.resumable import ResumesInsideEpoch, fit_progress
 from recforge.errors import UserInputError
 
 __all__ = ["Chunk", "CriteoDataModule", "CriteoStream", "SyntheticCriteoDataModule", "scan_split"]
@@ -337,54 +337,34 @@ class CriteoStream(IterableDataset):
                 return
 
 
-class _EpochLoader(DataLoader):
+class _EpochLoader(ResumesInsideEpoch, DataLoader):
     """A DataLoader that tells its stream the trainer's epoch before each pass, cuts the stream's
-    items back into batches, and resumes inside an epoch.
+    items back into batches, and (the training loader, given ``progress``) resumes inside an epoch
+    (:class:`~recforge.data.resumable.ResumesInsideEpoch`).
 
     Lightning sets the epoch on a loader's *sampler*, which an iterable dataset does not have;
     workers copy the dataset when the pass starts (they are not persistent for this reason),
     so the epoch must be set before that.
-
-    ``trained`` (the training loader's): ``() -> (epoch, batches trained in it)`` of the running
-    fit. A checkpoint saved inside an epoch records it (``state_dict``: Lightning keeps the state
-    of a loader that has one), and the resumed run's first pass skips those batches of the same
-    epoch's order, so it trains on the rows an uninterrupted run would have.
     """
 
     def __init__(
         self,
         dataset: CriteoStream,
         epoch: Callable[[], int | None],
-        trained: Callable[[], tuple[int, int] | None] | None = None,
+        progress: Callable[[], tuple[int, int] | None] | None = None,
         **kwargs,
     ) -> None:
         super().__init__(dataset, batch_size=None, **kwargs)
         self._epoch = epoch
-        self._trained = trained
-        self._resume_at: tuple[int, int] | None = None
-
-    def state_dict(self) -> dict:
-        progress = self._trained() if self._trained is not None else None
-        return {} if progress is None else {"epoch": progress[0], "batches": progress[1]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if "epoch" in state_dict:
-            self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
+        self._progress = progress
 
     def __iter__(self):
         epoch = self._epoch()
         if epoch is not None:
             self.dataset.set_epoch(epoch)
-        skip = 0
-        if self._resume_at is not None:
-            at_epoch, done = self._resume_at
-            self._resume_at = None
-            if at_epoch == self.dataset.epoch and 0 < done < len(self.dataset):
-                skip = done
         items = super().__iter__()
         batches = items if self.dataset.group == 1 else self._batches(items)
-        # reading the skipped rows costs far less than training on them (the loader runs >= 30x faster)
-        return itertools.islice(batches, skip, None) if skip else batches
+        return self.skip_trained(batches, epoch, len(self.dataset))
 
     def _batches(self, items: Iterator[CTRBatch]) -> Iterator[CTRBatch]:
         b = self.dataset.batch_size
@@ -575,17 +555,11 @@ class CriteoDataModule(L.LightningDataModule):
         # tensors are made once per item rather than per batch. Both read the same batches.
         return max(1, ITEM_ROWS // batch_size)
 
-    def _trained(self) -> tuple[int, int] | None:
-        # what a checkpoint saved now has trained of its epoch (Lightning's count of the batches
-        # whose training step ran, which a resumed epoch starts after)
-        trainer = self.trainer
-        if trainer is None:
-            return None
-        loop = trainer.fit_loop
-        return int(loop.epoch_progress.current.processed), int(loop.epoch_loop.batch_progress.current.processed)
+    def _fit_progress(self) -> tuple[int, int] | None:
+        return fit_progress(self.trainer)
 
-    def _loader(self, stream: CriteoStream, trained: Callable[[], tuple[int, int] | None] | None = None) -> DataLoader:
-        return _EpochLoader(stream, self._epoch, trained, num_workers=self.num_workers)
+    def _loader(self, stream: CriteoStream, progress: Callable[[], tuple[int, int] | None] | None = None) -> DataLoader:
+        return _EpochLoader(stream, self._epoch, progress, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank()
@@ -603,7 +577,7 @@ class CriteoDataModule(L.LightningDataModule):
                 stream.n_rows - stream.left_out, stream.n_rows, world, stream.n_batches, self.batch_size,
                 ", the last partial batch dropped" if self.drop_last else "", stream.left_out,
             )
-        return self._loader(stream, self._trained)
+        return self._loader(stream, self._fit_progress)
 
     def val_dataloader(self):
         if not self.has_validation:

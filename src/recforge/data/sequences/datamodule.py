@@ -25,6 +25,7 @@ from recforge.data.sequences.splits import (
     concat_ranges,
     protocol_splits,
 )
+from recforge.data.resumable import ResumesInsideEpoch, fit_progress
 from recforge.errors import UserInputError
 
 __all__ = ["HistoryDataModule", "SyntheticHistoryDataModule"]
@@ -46,6 +47,19 @@ class _EvalShard(DistributedSampler):
 
     def __len__(self) -> int:
         return len(self._rows)
+
+
+class _TrainLoader(ResumesInsideEpoch, DataLoader):
+    """The training DataLoader, resumable inside an epoch (its order is the sampler's, a function
+    of (seed, epoch)): see :class:`~recforge.data.resumable.ResumesInsideEpoch`."""
+
+    def __init__(self, progress, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._progress = progress
+
+    def __iter__(self):
+        progress = self._progress()
+        return self.skip_trained(super().__iter__(), None if progress is None else progress[0], len(self))
 
 
 class HistoryDataModule(L.LightningDataModule):
@@ -235,14 +249,22 @@ class HistoryDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # The order is a function of (seed, epoch), set by Lightning before every epoch: a resumed
         # run sees the users in the order an uninterrupted one would, and each DDP rank its share
-        # (a DistributedSampler, so Lightning keeps it rather than wrapping it).
+        # (a DistributedSampler, so Lightning keeps it rather than wrapping it). A run resumed
+        # inside an epoch skips the batches of it already trained (_TrainLoader).
         dataset = self.dataset("train")
         rank, world = self._rank()
         sampler = DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=True,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
         )
-        return self._loader(dataset, batch_size=self.batch_size, sampler=sampler)
+        workers = self.num_workers
+        return _TrainLoader(
+            self._fit_progress, dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=dataset.collate,
+            num_workers=workers, persistent_workers=workers > 0,
+        )
+
+    def _fit_progress(self) -> tuple[int, int] | None:
+        return fit_progress(self.trainer)
 
     def _eval_loader(self, split: str) -> DataLoader:
         dataset = self.dataset(split)
