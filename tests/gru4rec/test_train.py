@@ -81,16 +81,31 @@ def test_resume_matches_uninterrupted_run(make_cfg):
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_resume_inside_an_epoch_runs_to_the_end(make_cfg, tmp_path):
-    """Lightning skips on_train_epoch_start when it resumes inside an epoch: the task's and the
-    throughput callback's epoch state must not depend on it."""
-    mid = tmp_path / "mid.ckpt"
-    saves = ["+callbacks.save_at._target_=conftest.SaveCheckpointAt", "+callbacks.save_at.step=3",
-             f"+callbacks.save_at.path={mid}"]
-    train(make_cfg("trainer.max_epochs=1", *saves, run="first"))
-    assert torch.load(mid, weights_only=False)["epoch"] == 0
-    resumed = train(make_cfg("trainer.max_epochs=1", f"ckpt_path={mid}", run="resumed"))
-    assert math.isfinite(resumed["train/loss_epoch"]) and resumed["val/recall@20"] > 0
+@pytest.mark.parametrize("per_batch", [1, 3])
+def test_resume_inside_an_epoch_matches_an_uninterrupted_run(make_cfg, tmp_path, per_batch):
+    """Checkpoints saved inside epoch 0 and inside epoch 1 resume where the uninterrupted run was:
+    the loader skips the steps already trained and the sessions in flight keep their hidden state.
+    (Lightning skips on_train_epoch_start on such a resume: the task's and the throughput
+    callback's epoch state must not depend on it.)"""
+    common = ["callbacks.early_stopping.patience=100", f"data.steps_per_batch={per_batch}"]
+    probe = train(make_cfg("trainer.max_epochs=1", *common, run="probe"))
+    n = torch.load(Path(probe["test_checkpoint"]).parent / "last.ckpt", weights_only=False)["global_step"]
+    assert n >= 8
+    steps = (3 * per_batch, n + n // 2)
+    saves = [f"+callbacks.save_{k}._target_=conftest.SaveCheckpointAt" for k in steps]
+    saves += [f"+callbacks.save_{k}.step={k}" for k in steps]
+    saves += [f"+callbacks.save_{k}.path={tmp_path / f'step{k}.ckpt'}" for k in steps]
+    straight = train(make_cfg("trainer.max_epochs=2", *common, *saves, run="straight"))
+    want = _weights(Path(straight["test_checkpoint"]).parent / "last.ckpt")
+    for k in steps:
+        mid = torch.load(tmp_path / f"step{k}.ckpt", weights_only=False)
+        assert mid["train_hidden"] is not None and mid["epoch"] == (0 if k < n else 1)
+        resumed = train(make_cfg("trainer.max_epochs=2", *common, f"ckpt_path={tmp_path / f'step{k}.ckpt'}",
+                                 run=f"resumed{k}"))
+        assert math.isfinite(resumed["train/loss_epoch"])
+        got = _weights(Path(resumed["test_checkpoint"]).parent / "last.ckpt")
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"step {k}: {name}")
 
 
 def test_grouped_steps_train_exactly_like_single_steps(make_cfg):

@@ -20,9 +20,9 @@ Progress = Callable[[], "tuple[int, int] | None"]
 
 def fit_progress(trainer: Any) -> tuple[int, int] | None:
     """``(epoch, batches whose training step ran in it)`` of ``trainer``'s fit, or None without one."""
-    if trainer is None:
+    loop = getattr(trainer, "fit_loop", None)
+    if loop is None:
         return None
-    loop = trainer.fit_loop
     return int(loop.epoch_progress.current.processed), int(loop.epoch_loop.batch_progress.current.processed)
 
 

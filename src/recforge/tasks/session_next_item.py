@@ -105,6 +105,26 @@ class SessionNextItemTask(RecTask):
         super().on_train_epoch_start()
         self._train_hidden = None
 
+    # ------------------------------------------------------------------ resuming inside an epoch
+    # A checkpoint saved inside an epoch carries the hidden state of the sessions in flight; the
+    # resumed run's loader skips the steps already trained (data.sessions' _TrainSteps) and the
+    # next step continues those sessions as an uninterrupted run would. Under DDP each rank holds
+    # other sessions and the checkpoint only rank 0's, so there they restart from zero.
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self._train_hidden is not None:
+            checkpoint["train_hidden"] = [h.detach().cpu() for h in self._train_hidden]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._resumed_hidden = checkpoint.get("train_hidden")
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        resumed, self._resumed_hidden = getattr(self, "_resumed_hidden", None), None
+        if resumed is not None and self.trainer.world_size == 1:
+            self._train_hidden = [h.to(self.device) for h in resumed]
+
     def training_step(self, batch: SessionStep | SessionSteps, batch_idx: int) -> torch.Tensor:
         # A grouped batch (data.steps_per_batch > 1) is several steps, each with its own update.
         steps = batch.steps if isinstance(batch, SessionSteps) else (batch,)

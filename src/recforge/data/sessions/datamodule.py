@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import lightning as L
+from torch.utils.data import IterableDataset
 
 from recforge.config_values import Range
 from recforge.data.batches import SessionStep
+from recforge.data.resumable import ResumesInsideEpoch, fit_progress
 from recforge.data.sessions.datasets import GroupedSteps, SessionParallelSteps
 from recforge.data.sessions.io import SessionFileError, read_session_file, sort_sessions
 from recforge.data.sessions.parallel import count_steps
@@ -19,6 +21,25 @@ from recforge.data.synthetic import SyntheticSessionsConfig, write_synthetic_dat
 from recforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
+
+
+class _TrainSteps(ResumesInsideEpoch, IterableDataset):
+    """The training steps (one or grouped per batch), resumable inside an epoch: every epoch takes
+    the sessions in the same order, so a resumed run skips the steps already trained
+    (:class:`~recforge.data.resumable.ResumesInsideEpoch`); the task restores the hidden state of
+    the sessions in flight."""
+
+    def __init__(self, steps: SessionParallelSteps | GroupedSteps, progress) -> None:
+        super().__init__()
+        self.steps = steps
+        self._progress = progress
+
+    def __iter__(self):
+        progress = self._progress()
+        return self.skip_trained(iter(self.steps), None if progress is None else progress[0], len(self.steps))
+
+    def __len__(self) -> int:
+        return len(self.steps)
 
 
 class SessionDataModule(L.LightningDataModule):
@@ -209,7 +230,11 @@ class SessionDataModule(L.LightningDataModule):
                 f"{min_rows} sessions of two or more events that the loss needs (the mini-batch's "
                 "own targets are its only negatives without task.n_sample)"
             )
-        return steps if self.steps_per_batch == 1 else GroupedSteps(steps, self.steps_per_batch)
+        steps = steps if self.steps_per_batch == 1 else GroupedSteps(steps, self.steps_per_batch)
+        return _TrainSteps(steps, self._fit_progress)
+
+    def _fit_progress(self) -> tuple[int, int] | None:
+        return fit_progress(self.trainer)
 
     def _eval_loader(self, name: str):
         arrays = self.split(name)
