@@ -273,3 +273,71 @@ def test_config_check_reads_the_new_annotations() -> None:
     ):
         with pytest.raises(ConfigValueError, match=match):
             check_config_values(OmegaConf.create({"model": {**node, key: value}}))
+
+
+# ---------------------------------------------------------------- BARS's training: L2 and LR decay
+def _task(embedding_l2: float, sparse_gradients: bool = False):
+    from functools import partial
+
+    from recforge.evaluation import CTREvaluation
+    from recforge.losses.ctr import BinaryCrossEntropy
+    from recforge.tasks.ctr import CTRTask
+
+    torch.manual_seed(0)
+    model = partial(DLRM, embedding_dim=4, dense_arch=(8,), over_arch=(7,), sparse_gradients=sparse_gradients)
+    return CTRTask(model=model, loss=BinaryCrossEntropy(), optimizer=partial(torch.optim.Adam, lr=1e-3),
+                   evaluation=CTREvaluation(), cardinalities=CARDS, embedding_l2=embedding_l2)
+
+
+def test_embedding_l2_adds_lambda_times_the_table_to_its_gradient() -> None:
+    dense, sparse = _batch(32, seed=3)
+    labels = (torch.rand(32, generator=torch.Generator().manual_seed(3)) < 0.3).float()
+    grads = {}
+    for lam in (0.0, 0.25):
+        task = _task(lam)
+        loss = task.loss(task.model(dense, sparse), labels) + task.regularization()
+        loss.backward()
+        grads[lam] = {n: p.grad.clone() for n, p in task.model.named_parameters()}
+        table = task.model.sparse_arch.embedding.weight.detach()
+    for name, g in grads[0.25].items():
+        want = grads[0.0][name] + (0.25 * table if name == "sparse_arch.embedding.weight" else 0)
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7, msg=name)
+    assert float(_task(0.0).regularization()) == 0.0
+    assert float(_task(0.5).regularization().detach()) == pytest.approx(
+        0.25 * float(_task(0.0).model.sparse_arch.embedding.weight.detach().pow(2).sum()), rel=1e-6)
+
+
+def test_embedding_l2_on_sparse_tables_is_refused_in_one_line() -> None:
+    with pytest.raises(UserInputError, match=r"task.embedding_l2=1e-05 .* set model.sparse_gradients=false"):
+        _task(1e-5, sparse_gradients=True)
+
+
+def test_lr_decays_at_each_validation_that_does_not_improve_by_min_delta() -> None:
+    from types import SimpleNamespace
+
+    from recforge.callbacks.lr_on_plateau import LRDecayOnPlateau
+
+    optimizer = torch.optim.Adam([nn.Parameter(torch.zeros(1))], lr=1e-3)
+    trainer = SimpleNamespace(sanity_checking=False, callback_metrics={}, optimizers=[optimizer])
+    callback = LRDecayOnPlateau("val/auc", factor=0.1, min_lr=1e-6, min_delta=1e-6)
+    # FuxiCTR's rule by hand: improve = value >= best + 1e-6, else lr = max(lr * 0.1, 1e-6)
+    trace = [(0.70, 1e-3), (0.71, 1e-3), (0.7100005, 1e-4), (0.72, 1e-4), (0.719, 1e-5), (0.719, 1e-6),
+             (0.5, 1e-6), (0.73, 1e-6)]
+    for value, lr in trace:
+        trainer.callback_metrics = {"val/auc": torch.tensor(value)}
+        callback.on_validation_end(trainer, None)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr, rel=1e-9), value
+    assert callback.best == pytest.approx(0.73)
+    restored = LRDecayOnPlateau("val/auc")
+    restored.load_state_dict(callback.state_dict())
+    assert restored.best == callback.best
+    loss_watch = LRDecayOnPlateau("val/logloss", mode="min", min_delta=0.01)
+    for value, lr in [(0.5, 1e-6), (0.495, 1e-6), (0.48, 1e-6)]:
+        trainer.callback_metrics = {"val/logloss": torch.tensor(value)}
+        loss_watch.on_validation_end(trainer, None)
+    assert loss_watch.best == pytest.approx(0.48)  # 0.495 was not 0.01 better than 0.5
+    trainer.sanity_checking = True  # the sanity check's validation counts for nothing
+    trainer.callback_metrics = {"val/logloss": torch.tensor(9.0)}
+    before = optimizer.param_groups[0]["lr"]
+    loss_watch.on_validation_end(trainer, None)
+    assert optimizer.param_groups[0]["lr"] == before and loss_watch.best == pytest.approx(0.48)

@@ -45,6 +45,10 @@ class CTRTask(RecTask):
         optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm: see
             :class:`recforge.tasks.base.RecTask`.
         scheduler_interval: ``step`` (DLRM's warm-up and decay are counted in updates) or ``epoch``.
+        embedding_l2: λ of an L2 penalty ``λ/2 · Σ ||table||²`` over the whole embedding tables,
+            added to every batch's loss (FuxiCTR's ``embedding_regularizer``, BARS: 1e-5). It
+            touches every row at every step, so it needs dense table gradients
+            (``model.sparse_gradients=false``).
         cardinalities, n_dense: from the data module (table sizes, dense feature count).
     """
 
@@ -65,6 +69,7 @@ class CTRTask(RecTask):
         scheduler_interval: Literal["epoch", "step"] = "step",
         gradient_clip_val: Annotated[float, Range(gt=0)] | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        embedding_l2: Annotated[float, Range(ge=0)] = 0.0,
     ) -> None:
         super().__init__(
             optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm, scheduler_interval
@@ -74,6 +79,12 @@ class CTRTask(RecTask):
         )
         self.model = model(cardinalities=list(cardinalities), n_dense=n_dense)
         self.loss = loss
+        self.embedding_l2 = float(embedding_l2)
+        if self.embedding_l2 and any(getattr(m, "sparse", False) for m in self.model.modules()):
+            raise UserInputError(
+                f"task.embedding_l2={embedding_l2} penalises every table row at every step, which needs dense "
+                "table gradients: set model.sparse_gradients=false"
+            )
 
     # ------------------------------------------------------------------ optimisation
     def optimizer_params(self) -> list[dict]:
@@ -102,8 +113,14 @@ class CTRTask(RecTask):
             )
 
     # ------------------------------------------------------------------ training
+    def regularization(self) -> torch.Tensor | float:
+        """``embedding_l2 / 2 · Σ ||table||²`` (0 without ``embedding_l2``)."""
+        if not self.embedding_l2:
+            return 0.0
+        return self.embedding_l2 / 2 * sum(table.pow(2).sum() for table in self.model.sparse_parameters())
+
     def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(self.model(batch.dense, batch.sparse), batch.labels)
+        loss = self.loss(self.model(batch.dense, batch.sparse), batch.labels) + self.regularization()
         self.optimize(loss)
         self.record_loss(loss)
         self.log_step_loss(loss, batch_idx, batch.size)
