@@ -341,3 +341,26 @@ def test_lr_decays_at_each_validation_that_does_not_improve_by_min_delta() -> No
     before = optimizer.param_groups[0]["lr"]
     loss_watch.on_validation_end(trainer, None)
     assert optimizer.param_groups[0]["lr"] == before and loss_watch.best == pytest.approx(0.48)
+
+
+def test_lr_decay_retraces_the_bars_dlrm_criteo_x1_log() -> None:
+    """The validation AUCs of BARS's DLRM_criteo_x1 run (its README's log, FuxiCTR 1.2.1, Adam
+    1e-3): the log reduces the learning rate to 1e-4 after epoch 12, 1e-5 after 16 and 1e-6 after
+    17, where early stopping (patience 2) ends the run."""
+    from types import SimpleNamespace
+
+    from recforge.callbacks.lr_on_plateau import LRDecayOnPlateau
+
+    aucs = [0.804187, 0.806524, 0.807615, 0.807956, 0.808651, 0.808663, 0.809122, 0.809201, 0.809330,
+            0.809664, 0.809675, 0.809607, 0.812970, 0.813400, 0.813497, 0.813298, 0.812458]
+    logged = {12: 1e-4, 16: 1e-5, 17: 1e-6}
+    optimizer = torch.optim.Adam([nn.Parameter(torch.zeros(1))], lr=1e-3)
+    trainer = SimpleNamespace(sanity_checking=False, callback_metrics={}, optimizers=[optimizer])
+    callback = LRDecayOnPlateau("val/auc")
+    lr = 1e-3
+    for epoch, auc in enumerate(aucs, start=1):
+        trainer.callback_metrics = {"val/auc": torch.tensor(auc, dtype=torch.float64)}
+        callback.on_validation_end(trainer, None)
+        lr = logged.get(epoch, lr)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr, rel=1e-9), epoch
+    assert callback.best == pytest.approx(0.813497)
