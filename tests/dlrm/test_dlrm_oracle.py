@@ -77,9 +77,15 @@ def _assert_reproduces(ref: dict, **kwargs) -> dict[str, float]:
 
 
 def test_pytorch_interaction_reproduces_the_reference(reference) -> None:
-    errors = _assert_reproduces(reference)
-    # the same ops in the same order as the reference: the probabilities are bitwise equal
-    assert errors["prob"] == 0.0
+    prob, _, _ = _run(reference)
+    _assert_reproduces(reference)
+    # The same ops in the same order as the reference: on the machine that recorded it the
+    # probabilities were bitwise equal. BLAS picks its kernels by CPU, and on another CPU the
+    # reference itself (DLRM_Net at 090956e, run on this repo's CI machine) lands up to float32's
+    # epsilon (1.19e-7, one ulp at 1.0) from its own recording while recforge still equals it bit
+    # for bit there; so the recording is matched to within that epsilon.
+    errors = (prob.numpy() - reference["prob"][:, 0]).astype(np.float64)
+    assert np.abs(errors).max() <= np.finfo(np.float32).eps
 
 
 @pytest.mark.triton
