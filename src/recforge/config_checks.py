@@ -7,6 +7,7 @@ read from the config directory. Adding a family adds classes with declarations, 
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,31 @@ from recforge.contracts import accepted_contracts, declares
 from recforge.errors import UserInputError
 
 
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The repository's config directory (the configs the option lists in errors are read from)."""
+
+
 class IncompatibleConfigError(UserInputError):
     pass
+
+
+# Config group options renamed, kept working for one release under their old name: (group, old) -> new.
+RENAMED_OPTIONS: dict[tuple[str, str], str] = {
+    ("evaluation", "full_ranking"): "session_next_item",
+    ("evaluation", "sequential_ranking"): "sequential_retrieval",
+}
+
+
+def warn_renamed_options(choices: dict[str, str]) -> None:
+    """One deprecation line for each config group option chosen under its old name."""
+    for group, option in choices.items():
+        new = RENAMED_OPTIONS.get((group, option))
+        if new is not None:
+            warnings.warn(
+                f"{group}={option} is deprecated and will be removed in the next release: use {group}={new}",
+                FutureWarning,
+                stacklevel=2,
+            )
 
 
 def _options(conf_dir: Path, group: str) -> dict[str, str]:
@@ -33,7 +57,8 @@ def _options(conf_dir: Path, group: str) -> dict[str, str]:
     return found
 
 
-def _fitting(conf_dir: Path, group: str, fits: Callable[[type], bool]) -> list[str]:
+def fitting_options(conf_dir: Path, group: str, fits: Callable[[type], bool]) -> list[str]:
+    """The options of a config group whose target class ``fits``."""
     names = []
     for name, target in _options(conf_dir, group).items():
         try:
@@ -63,7 +88,7 @@ def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] |
     model = chosen["model"]
 
     def refuse(group: str, problem: str, fits: Callable[[type], bool]) -> None:
-        allowed = _fitting(conf_dir, group, fits)
+        allowed = fitting_options(conf_dir, group, fits)
         raise IncompatibleConfigError(
             f"model={model} with {group}={chosen[group]}: {problem}; {group} options for "
             f"model={model}: {', '.join(allowed) or 'none'}"
@@ -76,7 +101,7 @@ def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] |
             f"{' or '.join(map(_name, contracts))} but the model implements "
             f"{', '.join(map(_name, getattr(model_cls, 'implements', ()))) or 'nothing declared'}; "
             f"task options for model={model}: "
-            f"{', '.join(_fitting(conf_dir, 'task', lambda t: _drives(t, model_cls))) or 'none'}"
+            f"{', '.join(fitting_options(conf_dir, 'task', lambda t: _drives(t, model_cls))) or 'none'}"
         )
     batch_in, batch_out = getattr(task_cls, "batch_type", None), getattr(data_cls, "batch_type", None)
     if batch_in is not batch_out:

@@ -13,6 +13,8 @@ task -> loss          ``Task.produces`` (a score layout)         ``Loss.consumes
 task -> evaluation    ``Task.evaluation_kind``                   ``Evaluation.kind``
 ====================  =========================================  ======================================
 
+An evaluation also implements :class:`Evaluation` (what the task and the pipeline call on it).
+
 A model's ``implements`` is a promise checked structurally by the tests (an instance is an
 instance of each runtime-checkable Protocol it names). A task that can drive models of more than
 one contract declares them all (``model_contract`` a tuple) and asks :func:`declares` which one
@@ -137,6 +139,28 @@ class CTRModel(Protocol):
     def sparse_parameters(self) -> list[torch.nn.Parameter]: ...
 
     def __call__(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Evaluation(Protocol):
+    """What a task feeds at validation and test, and what the run reads back.
+
+    ``kind``: the edge a task's ``evaluation_kind`` names (``full_ranking``, ``ctr``).
+    ``update(split, ...)``: one batch of a split (``val`` or ``test``); its inputs are the
+    family's (queries and the catalogue for a ranking, logits and labels for CTR).
+    ``compute_and_reset(split) -> {"<split>/<name>": scalar}`` over the whole split (reduced
+    across DDP ranks), then cleared. ``logged_names()``: every name it logs, for both splits.
+    ``monitor``: the logged name that checkpointing, early stopping and sweeps follow, or None.
+    """
+
+    kind: str
+    monitor: str | None
+
+    def update(self, split: str, *args: Any, **kwargs: Any) -> None: ...
+
+    def compute_and_reset(self, split: str) -> dict[str, torch.Tensor]: ...
+
+    def logged_names(self) -> list[str]: ...
 
 
 def accepted_contracts(task_or_cls: Any) -> tuple[Any, ...]:

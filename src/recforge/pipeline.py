@@ -30,7 +30,7 @@ from recforge.checkpoints import (
     run_config_for,
     with_run_experiment,
 )
-from recforge.config_checks import check_combination
+from recforge.config_checks import CONF_DIR, check_combination, warn_renamed_options
 from recforge.config_values import check_config_values
 from recforge.errors import UserInputError
 from recforge.runs import write_metrics
@@ -40,7 +40,6 @@ from recforge.utils.quiet import silence_known_noise
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def _choices() -> dict[str, str]:
@@ -55,6 +54,7 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def check_config(cfg: DictConfig) -> None:
     """Values against their targets' signatures, then the data x model x loss combination."""
+    warn_renamed_options(_choices())
     check_config_values(cfg)
     check_combination(cfg, CONF_DIR, _choices())
 

@@ -13,7 +13,8 @@ import torch
 from conftest import most_popular_hr
 
 from recforge.kernels.hstu_attention import hstu_attention, time_buckets
-from recforge.losses.sampled_softmax import SampledSoftmax, next_item_positives
+from recforge.kernels.jagged import next_item_positives
+from recforge.losses.sampled_softmax import SampledSoftmax
 from recforge.models.hstu import HSTU
 from recforge.pipeline import build, train
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import recforge.losses.sampled_softmax as ss
-from recforge.losses.sampled_softmax import FullSoftmax, SampledSoftmax, next_item_positives
+from recforge.kernels.jagged import next_item_positives
+from recforge.losses.sampled_softmax import FullSoftmax, SampledSoftmax
 
 TAU = 0.05
 

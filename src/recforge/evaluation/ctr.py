@@ -5,16 +5,15 @@ from collections.abc import Sequence
 from typing import Annotated
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from recforge.config_values import Range
 from recforge.errors import UserInputError
+from recforge.evaluation.base import SplitEvaluation
 from recforge.metrics.ctr import CTR_METRIC_MODES, CTRMetrics
 
-SPLITS = ("val", "test")
 
-
-class CTREvaluation(nn.Module):
+class CTREvaluation(SplitEvaluation):
     """AUC, logloss, accuracy and calibration of the click logits of every row of a split.
 
     ``metrics``: names from :data:`recforge.metrics.ctr.CTR_METRIC_NAMES` (``auc``, ``logloss``,
@@ -39,44 +38,19 @@ class CTREvaluation(nn.Module):
         threshold: Annotated[float, Range(gt=0, lt=1)] = 0.5,
         monitor: str | None = "val/auc",
     ) -> None:
-        super().__init__()
-        try:
-            self.splits = nn.ModuleDict({s: CTRMetrics(metrics=metrics, threshold=threshold) for s in SPLITS})
-        except ValueError as error:  # unknown metric names, threshold out of range
-            raise UserInputError(f"evaluation: {error}") from error
+        super().__init__(lambda: CTRMetrics(metrics=metrics, threshold=threshold), monitor)
         self.threshold = threshold
-        if monitor is not None:
-            if monitor not in self.logged_names():
-                raise UserInputError(
-                    f"evaluation.monitor={monitor}: not a metric this evaluation logs; it logs "
-                    f"{', '.join(self.logged_names())}"
-                )
-            if self._direction(monitor) is None:
-                followable = [n for n in self.logged_names() if self._direction(n) is not None]
-                raise UserInputError(
-                    f"evaluation.monitor={monitor}: it has no better direction (calibration is best "
-                    f"at 1); monitor one of {', '.join(followable) or 'auc, logloss, accuracy'}"
-                )
-        self.monitor = monitor
 
-    @staticmethod
-    def _direction(name: str) -> str | None:
-        return CTR_METRIC_MODES[name.split("/", 1)[1]]
-
-
-    def logged_names(self) -> list[str]:
-        """Every metric name this evaluation logs (``val/auc``, ``test/logloss``, ...)."""
-        names = self.splits["val"].keys()
-        return [f"{split}/{name}" for split in SPLITS for name in names]
+    def check_monitor(self, monitor: str) -> None:
+        """A monitored CTR metric needs a better direction (``calibration`` is best at 1)."""
+        if CTR_METRIC_MODES[monitor.split("/", 1)[1]] is None:
+            followable = [n for n in self.logged_names() if CTR_METRIC_MODES[n.split("/", 1)[1]] is not None]
+            raise UserInputError(
+                f"evaluation.monitor={monitor}: it has no better direction (calibration is best "
+                f"at 1); monitor one of {', '.join(followable) or 'auc, logloss, accuracy'}"
+            )
 
     @torch.no_grad()
     def update(self, split: str, logits: Tensor, labels: Tensor) -> None:
         """Add a batch of click ``logits [B]`` (before the sigmoid) and 0/1 ``labels [B]``."""
         self.splits[split].update(logits, labels)
-
-    def compute_and_reset(self, split: str) -> dict[str, Tensor]:
-        """``{"<split>/<name>": value}`` over every row of the split (a DDP reduction), then cleared."""
-        metrics = self.splits[split]
-        values = metrics.compute()
-        metrics.reset()
-        return {f"{split}/{name}": value.float() for name, value in values.items()}

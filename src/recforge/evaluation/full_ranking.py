@@ -5,19 +5,17 @@ from collections.abc import Sequence
 from typing import Annotated
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from recforge.config_values import Range
-from recforge.errors import UserInputError
+from recforge.evaluation.base import SplitEvaluation
 from recforge.kernels import target_rank_counts
 from recforge.kernels.twin import KernelImpl
 from recforge.metrics import RankingMetrics
 from recforge.metrics.ranking import ranks_from_counts
 
-SPLITS = ("val", "test")
 
-
-class FullRanking(nn.Module):
+class FullRanking(SplitEvaluation):
     """Ranks every query's target against the whole catalogue and keeps the metric sums.
 
     The catalogue is scored in tiles of ``chunk_size`` items (memory ``batch × chunk_size``,
@@ -45,27 +43,10 @@ class FullRanking(nn.Module):
         full_mrr: bool = False,
         monitor: str | None = None,
     ) -> None:
-        super().__init__()
-        try:
-            self.splits = nn.ModuleDict(
-                {s: RankingMetrics(ks=ks, metrics=metrics, ties=ties, full_mrr=full_mrr) for s in SPLITS}
-            )
-        except ValueError as error:  # unknown metric names or tie policy
-            raise UserInputError(f"evaluation: {error}") from error
+        super().__init__(lambda: RankingMetrics(ks=ks, metrics=metrics, ties=ties, full_mrr=full_mrr), monitor)
         self.chunk_size = chunk_size
         self.kernel = kernel
         self.max_rank = max_rank
-        if monitor is not None and monitor not in self.logged_names():
-            raise UserInputError(
-                f"evaluation.monitor={monitor}: not a metric this evaluation logs; it logs "
-                f"{', '.join(self.logged_names())}"
-            )
-        self.monitor = monitor
-
-    def logged_names(self) -> list[str]:
-        """Every metric name this evaluation logs (``val/recall@20``, ``test/mrr``, ...)."""
-        names = self.splits["val"].keys()
-        return [f"{split}/{name}" for split in SPLITS for name in names]
 
     @torch.no_grad()
     def update(
@@ -92,10 +73,3 @@ class FullRanking(nn.Module):
             return
         ranks = ranks_from_counts(n_greater, n_equal, metrics.ties)
         metrics.update(ranks.clamp_max(self.max_rank + 1))
-
-    def compute_and_reset(self, split: str) -> dict[str, Tensor]:
-        """``{"<split>/<name>@<k>": value}`` over every rank (a DDP reduction), then cleared."""
-        metrics = self.splits[split]
-        values = metrics.compute()
-        metrics.reset()
-        return {f"{split}/{name}": value.float() for name, value in values.items()}

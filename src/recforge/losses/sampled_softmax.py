@@ -140,21 +140,6 @@ def _check_inputs(
         )
 
 
-def next_item_positives(
-    items: torch.Tensor, offsets: torch.Tensor, targets: torch.Tensor
-) -> torch.Tensor:
-    """The item each position of a jagged batch predicts: ``[ΣL]`` int64.
-
-    Position p < L-1 of row b predicts the row's item p+1; its last position predicts
-    ``targets[b]`` (the reference writes the target into ``past_ids`` at column L and supervises
-    ``ids[1..L]``). items ``[ΣL]``, offsets ``[B+1]``, targets ``[B]``; empty rows are skipped.
-    """
-    positives = items.roll(-1)
-    nonempty = offsets[1:] > offsets[:-1]
-    positives[offsets[1:][nonempty] - 1] = targets[nonempty]
-    return positives
-
-
 class SampledSoftmax(nn.Module):
     """Sampled softmax over the positive and R uniform negatives per position (spec §1.5).
 

@@ -419,6 +419,8 @@ class DLRM(nn.Module):
     N(0, sqrt(1/fan_out)); table rows U(±sqrt(1/rows)); cross layers as torchrec.
     """
 
+    # the constructor argument that turns the tables' sparse gradients off (named in optimizer errors)
+    sparse_gradients_key = "sparse_gradients"
     implements = (CTRModel,)
 
     def __init__(

@@ -138,6 +138,8 @@ class GRU4Rec(nn.Module):
     returns the last layer's output ``[B, d]`` (d = last layer size), ``score_columns`` ``[B, C]``.
     """
 
+    # the constructor argument that turns the tables' sparse gradients off (named in optimizer errors)
+    sparse_gradients_key = "sparse_embeddings"
     implements = (SessionModel,)
 
     def __init__(

@@ -15,6 +15,9 @@ import lightning as L
 import torch
 from torch import nn
 
+from recforge.contracts import Evaluation
+from recforge.config_checks import CONF_DIR
+from recforge.optim.sparse_capable import check_optimizer_takes_sparse
 from recforge.optim.clipping import clip_grad_norm_, clip_grad_value_
 from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parameter_names
 
@@ -30,7 +33,8 @@ class RecTask(L.LightningModule):
 
     Args:
         optimizer: factory ``(params) -> torch.optim.Optimizer``.
-        evaluation: the evaluation component (e.g. :class:`recforge.evaluation.FullRanking`).
+        evaluation: the evaluation component (:class:`recforge.contracts.Evaluation`, e.g.
+            :class:`recforge.evaluation.FullRanking`).
         scheduler: optional factory ``(optimizer) -> LR scheduler``, stepped once per epoch, or
             once per update when ``scheduler_interval="step"`` (DLRM's warm-up and decay).
         gradient_clip_val, gradient_clip_algorithm: optional clipping ("norm" or "value") of
@@ -46,7 +50,7 @@ class RecTask(L.LightningModule):
     def __init__(
         self,
         optimizer: Callable[..., torch.optim.Optimizer],
-        evaluation: nn.Module,
+        evaluation: Evaluation,
         scheduler: Callable | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
@@ -123,6 +127,7 @@ class RecTask(L.LightningModule):
         return self.parameters()
 
     def configure_optimizers(self):
+        check_optimizer_takes_sparse(self.optimizer_factory, self.model, CONF_DIR)
         optimizer = self.optimizer_factory(params=self.optimizer_params())
         if self.scheduler_factory is None:
             return optimizer

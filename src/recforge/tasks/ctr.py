@@ -8,26 +8,12 @@ import torch
 from torch import nn
 
 from recforge.config_values import Range
-from recforge.contracts import CTR_LOGITS, CTRModel
+from recforge.contracts import CTR_LOGITS, CTRModel, Evaluation
 from recforge.data.batches import CTRBatch
 from recforge.errors import UserInputError
+from recforge.evaluation import CTREvaluation
+from recforge.optim.sparse_capable import has_sparse_gradients
 from recforge.tasks.base import RecTask
-
-# Optimizers that take the tables' sparse gradients as they are. Any other one (Adam, AdamW)
-# fails on the first step deep inside torch, so the task refuses it up front instead.
-_SPARSE_CAPABLE = {
-    "torch.optim.sgd.SGD",
-    "torch.optim.adagrad.Adagrad",
-    "torch.optim.sparse_adam.SparseAdam",
-    "recforge.optim.rowwise_adagrad.RowWiseAdagrad",
-    "recforge.optim.dense_sparse.DenseSparseOptimizer",
-    "recforge.optim.adagrad_momentum.IndexedAdagradM",
-}
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
 
 class CTRTask(RecTask):
     """Trains a :class:`recforge.contracts.CTRModel` on :class:`CTRBatch` es with a click loss and
@@ -55,14 +41,14 @@ class CTRTask(RecTask):
     batch_type = CTRBatch
     model_contract = CTRModel
     produces = CTR_LOGITS
-    evaluation_kind = "ctr"
+    evaluation_kind = CTREvaluation.kind
 
     def __init__(
         self,
         model: Callable[..., nn.Module],
         loss: nn.Module,
         optimizer: Callable[..., torch.optim.Optimizer],
-        evaluation: nn.Module,
+        evaluation: Evaluation,
         cardinalities: Sequence[Annotated[int, Range(ge=1)]],
         n_dense: Annotated[int, Range(ge=0)] = 13,
         scheduler: Callable | None = None,
@@ -80,7 +66,7 @@ class CTRTask(RecTask):
         self.model = model(cardinalities=list(cardinalities), n_dense=n_dense)
         self.loss = loss
         self.embedding_l2 = float(embedding_l2)
-        if self.embedding_l2 and any(getattr(m, "sparse", False) for m in self.model.modules()):
+        if self.embedding_l2 and has_sparse_gradients(self.model):
             raise UserInputError(
                 f"task.embedding_l2={embedding_l2} penalises every table row at every step, which needs dense "
                 "table gradients: set model.sparse_gradients=false"
@@ -95,22 +81,6 @@ class CTRTask(RecTask):
         if tables:
             groups.append({"params": tables, "sparse": True})
         return groups
-
-    def configure_optimizers(self):
-        self._check_optimizer_takes_sparse()
-        return super().configure_optimizers()
-
-    def _check_optimizer_takes_sparse(self) -> None:
-        if not any(getattr(m, "sparse", False) for m in self.model.modules()):
-            return
-        factory = self.optimizer_factory
-        cls = getattr(factory, "func", factory)
-        if isinstance(cls, type) and _qualname(cls) not in _SPARSE_CAPABLE:
-            raise UserInputError(
-                f"optimizer {cls.__name__} cannot update the embedding tables' sparse gradients: "
-                "use optimizer=sgd, adagrad, rowwise_adagrad or adam_rowwise_adagrad (tables row-wise), "
-                "or set model.sparse_gradients=false"
-            )
 
     # ------------------------------------------------------------------ training
     def regularization(self) -> torch.Tensor | float:

@@ -13,7 +13,7 @@ from recforge.contracts import SEQUENCE_POSITIONS, SequenceModel, TimedSequenceM
 from recforge.data.batches import HistoryBatch
 from recforge.data.negatives import negatives_generator_seed
 from recforge.evaluation import FullRanking
-from recforge.losses.sampled_softmax import next_item_positives
+from recforge.kernels.jagged import next_item_positives
 from recforge.tasks.base import RecTask
 
 

@@ -1,0 +1,93 @@
+"""Every evaluation on one base: the contract, the split bookkeeping, the monitor, the config names."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
+
+from recforge.config_checks import RENAMED_OPTIONS, warn_renamed_options
+from recforge.contracts import Evaluation
+from recforge.errors import UserInputError
+from recforge.evaluation import CTREvaluation, FullRanking
+from recforge.evaluation.base import SPLITS
+from recforge.tasks.ctr import CTRTask
+from recforge.tasks.sequential_retrieval import SequentialRetrievalTask
+from recforge.tasks.session_next_item import SessionNextItemTask
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+EVALUATION_OPTIONS = sorted(
+    p.stem for p in (CONF / "evaluation").glob("*.yaml") if "_target_" in (yaml.safe_load(p.read_text()) or {})
+)
+
+
+@pytest.mark.parametrize("option", EVALUATION_OPTIONS)
+def test_every_evaluation_config_builds_an_evaluation_some_task_feeds(option: str) -> None:
+    node = OmegaConf.load(CONF / "evaluation" / f"{option}.yaml")
+    evaluation = instantiate(node)
+    assert isinstance(evaluation, Evaluation)
+    assert evaluation.kind in {t.evaluation_kind for t in (SessionNextItemTask, SequentialRetrievalTask, CTRTask)}
+    names = evaluation.logged_names()
+    per_split = [sorted(n.split("/", 1)[1] for n in names if n.startswith(f"{s}/")) for s in SPLITS]
+    assert per_split[0] and all(p == per_split[0] for p in per_split), names
+    assert evaluation.monitor in names
+
+
+def test_the_config_names_say_which_task_each_evaluation_serves() -> None:
+    # the option is named after the task config it serves, and that task feeds its kind
+    for option, task in (("session_next_item", SessionNextItemTask),
+                         ("sequential_retrieval", SequentialRetrievalTask), ("ctr", CTRTask)):
+        assert option in EVALUATION_OPTIONS
+        assert (CONF / "task" / f"{option}.yaml").is_file()
+        target = yaml.safe_load((CONF / "evaluation" / f"{option}.yaml").read_text())["_target_"]
+        assert get_class(target).kind == task.evaluation_kind
+
+
+@pytest.mark.filterwarnings("ignore:The ``compute`` method:UserWarning")
+def test_full_ranking_computes_hand_ranked_metrics_then_resets() -> None:
+    # Two queries over 4 items (dot scores): query 0 ranks its target 2nd, query 1 ranks it 1st.
+    evaluation = FullRanking(ks=(1, 2), metrics=("recall", "mrr"), monitor="val/mrr@2")
+    items = torch.eye(4)
+    queries = torch.tensor([[0.9, 0.5, 0.0, 0.1], [0.0, 0.0, 0.0, 1.0]])
+    evaluation.update("val", queries, items, None, torch.tensor([1, 3]))
+    values = {k: float(v) for k, v in evaluation.compute_and_reset("val").items()}
+    assert values == pytest.approx({"val/recall@1": 0.5, "val/recall@2": 1.0, "val/mrr@1": 0.5, "val/mrr@2": 0.75})
+    # the test split is untouched, and the val state is cleared: nothing ranked gives zeros
+    assert all(float(v) == 0 for v in evaluation.compute_and_reset("val").values())
+    assert all(float(v) == 0 for v in evaluation.compute_and_reset("test").values())
+
+
+def test_ctr_evaluation_computes_hand_counted_metrics_then_resets() -> None:
+    evaluation = CTREvaluation(metrics=("auc", "accuracy"), monitor="val/auc")
+    logits = torch.tensor([2.0, -1.0, 0.5, -3.0])
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    evaluation.update("test", logits, labels)
+    values = {k: float(v) for k, v in evaluation.compute_and_reset("test").items()}
+    # positives score 2.0 and -3.0, negatives -1.0 and 0.5: 2 of the 4 pairs ordered right
+    assert values == pytest.approx({"test/auc": 0.5, "test/accuracy": 0.5})
+    assert evaluation.logged_names() == ["val/auc", "val/accuracy", "test/auc", "test/accuracy"]
+
+
+@pytest.mark.parametrize("make", [lambda m: FullRanking(monitor=m), lambda m: CTREvaluation(monitor=m)])
+def test_a_monitor_that_is_not_logged_is_refused_in_one_line_by_every_evaluation(make) -> None:
+    with pytest.raises(UserInputError, match=r"^evaluation.monitor=val/nope: not a metric this evaluation logs; "
+                                               r"it logs val/") as error:
+        make("val/nope")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("old", "new"), [(o, n) for (g, o), n in RENAMED_OPTIONS.items() if g == "evaluation"])
+def test_old_evaluation_names_compose_the_same_config_and_warn_once(old: str, new: str, make_cfg) -> None:
+    cfg_old, cfg_new = make_cfg(f"evaluation={old}"), make_cfg(f"evaluation={new}")
+    assert OmegaConf.to_container(cfg_old.evaluation) == OmegaConf.to_container(cfg_new.evaluation)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_renamed_options({"evaluation": old, "model": "gru4rec"})
+        warn_renamed_options({"evaluation": new})
+    assert [str(w.message) for w in caught] == [
+        f"evaluation={old} is deprecated and will be removed in the next release: use evaluation={new}"
+    ]
