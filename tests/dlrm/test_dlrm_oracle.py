@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from recforge.kernels import dot_interaction as dot_op
+from recforge.kernels.dot_interaction import TRITON as DOT_TRITON
 from recforge.models.dlrm import DLRM, load_reference_state_dict
 
 # float32 round-off: both paths reproduce the probabilities exactly and every gradient to within
@@ -84,9 +84,9 @@ def test_pytorch_interaction_reproduces_the_reference(reference) -> None:
 
 @pytest.mark.triton
 def test_triton_interaction_reproduces_the_reference(reference) -> None:
-    if dot_op.TRITON.unusable_reason(torch.zeros(1, 1)) is not None:
+    if DOT_TRITON.unusable_reason(torch.zeros(1, 1)) is not None:
         pytest.skip("Triton cannot run here (not importable, or CPU without TRITON_INTERPRET=1)")
-    _assert_reproduces(reference, interaction_kernel="triton")
+    _assert_reproduces(reference, dot_interaction={"kernel": "triton"})
 
 
 def test_the_oracle_pins_the_order_of_the_pairs(reference, monkeypatch) -> None:
