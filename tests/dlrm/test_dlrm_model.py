@@ -276,8 +276,8 @@ def test_the_old_kernel_key_still_works_for_one_release() -> None:
     assert [w for w in new_warnings if issubclass(w.category, FutureWarning)] == []
     deprecations = [w for w in old_warnings if issubclass(w.category, FutureWarning)]
     assert [str(w.message) for w in deprecations] == [
-        "model.interaction_kernel is deprecated and will be removed in the next release; use "
-        "model.dot_interaction.kernel=triton"
+        ("model.interaction_kernel is deprecated and will be removed in the next release; use "
+         "model.dot_interaction.kernel=triton")
     ]
     default, default_warnings = _composed_model()
     assert default.interaction.kernel == "pytorch" and not default_warnings

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
 
-import recforge.kernels as kernels
+from recforge import kernels
 from recforge.errors import UserInputError
 from recforge.kernels.twin import KERNEL_IMPLS, check_kernel, kernel_of
 
@@ -167,8 +167,8 @@ def test_an_unusable_triton_falls_back_with_one_warning(case, monkeypatch) -> No
         second = case.call("triton")
     fallback = [c for c in caught if "kernel='triton'" in str(c.message)]
     assert [str(c.message) for c in fallback] == [
-        f"{case.name}(kernel='triton'): Triton could not be imported (unavailable); using the PyTorch "
-        "implementation (this warning is shown once)"
+        (f"{case.name}(kernel='triton'): Triton could not be imported (unavailable); using the "
+         "PyTorch implementation (this warning is shown once)")
     ]
     assert fallback[0].category is RuntimeWarning
     assert fallback[0].filename == __file__  # the line that called the op, past any torch wrapper

@@ -1,4 +1,4 @@
-"""Whether a Triton kernel runs in Triton's interpreter; for the ``*_triton`` modules (it imports Triton)."""
+"""Whether a Triton kernel runs in Triton's interpreter (for the ``*_triton`` modules: imports Triton)."""
 from __future__ import annotations
 
 import triton

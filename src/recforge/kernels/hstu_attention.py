@@ -213,8 +213,8 @@ def hstu_attention(
         timestamps: ``[T]`` integer, each element's time (seconds).
         query_times: ``[T]`` integer, the time each element's query is asked at.
         width: the fixed divisor of the SiLU scores and the position weights' half-size.
-        kernel: ``"pytorch"`` or ``"triton"``; ``"triton"`` falls back to ``"pytorch"`` (one warning per
-            process) when Triton cannot take these tensors.
+        kernel: ``"pytorch"`` or ``"triton"``; ``"triton"`` falls back to ``"pytorch"`` (one
+            warning per process) when Triton cannot take these tensors.
 
     Returns:
         ``[T, H, dv]`` in v's dtype, differentiable in q, k, v, pos_weights and time_weights (the

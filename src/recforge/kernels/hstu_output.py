@@ -182,9 +182,9 @@ def hstu_output(
         seed: fixes the mask (any Python int). None with ``dropout_p > 0`` draws one from torch's
             default CPU generator, so runs seeded with ``torch.manual_seed`` repeat.
         eps: LayerNorm's epsilon.
-        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernel on CUDA float32 tensors,
-            or CPU ones under ``TRITON_INTERPRET=1``; otherwise it falls back to ``"pytorch"``
-            with one warning per process. Both drop the same elements for the same seed.
+        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernel on CUDA float32
+            tensors, or CPU ones under ``TRITON_INTERPRET=1``; otherwise it falls back to
+            ``"pytorch"`` with one warning per process. Both drop the same elements for one seed.
 
     Returns:
         ``[T, D]`` in the inputs' dtype.
@@ -198,7 +198,9 @@ def hstu_output(
     seed = 0 if seed is None else seed
     return TRITON.dispatch(
         "hstu_output", kernel, (attn, u, x, weight, bias),
-        triton=lambda module: module.hstu_output_triton(attn, u, x, weight, bias, dropout_p, seed, eps),
+        triton=lambda module: module.hstu_output_triton(
+            attn, u, x, weight, bias, dropout_p, seed, eps
+        ),
         reference=lambda: hstu_output_reference(attn, u, x, weight, bias, dropout_p, seed, eps),
         layout_reason=lambda module: module.layout_reason(attn, u),
     )

@@ -110,7 +110,8 @@ def sparse_adagrad_momentum_(
     TRITON.dispatch(
         "sparse_adagrad_momentum_", kernel, (param, grad_sum, grad._values()),
         triton=lambda module: module.sparse_adagrad_momentum_triton_(
-            param, grad_sum, state, grad._indices()[0], grad._values(), lr=lr, momentum=momentum, eps=eps
+            param, grad_sum, state, grad._indices()[0], grad._values(),
+            lr=lr, momentum=momentum, eps=eps,
         ),
         reference=lambda: sparse_adagrad_momentum_reference_(
             param, grad_sum, velocity, grad, lr, momentum, eps

@@ -2,11 +2,10 @@
 
 ``scores [B', C]`` hold row i's target in column i. The loss is the logq-corrected, max-subtracted
 softmax cross-entropy of the diagonal, ``sum_i -log(p_ii + 1e-24) / batch_size``, i.e. exactly
-:class:`recforge.losses.sampled.CrossEntropy`, which calls it. ``kernel="pytorch"`` is the written-out
-reference below;
-``kernel="triton"`` runs the row-wise kernels of :mod:`recforge.kernels.sampled_loss_triton` behind a
-``torch.autograd.Function``, so neither the corrected score matrix nor the softmax is kept for
-backward: only two float32 numbers per row.
+:class:`recforge.losses.sampled.CrossEntropy`, which calls it. ``kernel="pytorch"`` is the
+written-out reference below; ``kernel="triton"`` runs the row-wise kernels of
+:mod:`recforge.kernels.sampled_loss_triton` behind a ``torch.autograd.Function``, so neither the
+corrected score matrix nor the softmax is kept for backward: only two float32 numbers per row.
 
 :func:`sampled_bprmax` does the same for BPR-max (:class:`recforge.losses.sampled.BPRMax`), keeping
 five float32 statistics per row for its one-pass backward.
@@ -133,9 +132,10 @@ def sampled_softmax_xe(
             ``logq > 0`` (as in :class:`~recforge.losses.sampled.CrossEntropy`).
         logq: strength of the correction ``x_ij = scores_ij - logq * log_q_j``.
         batch_size: the *configured* batch size the row sum is divided by.
-        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernels on CUDA tensors, or on CPU
-            tensors under ``TRITON_INTERPRET=1``, computing in float32 for fp32/bf16/fp16 scores;
-            otherwise it falls back to ``"pytorch"`` with one warning per process.
+        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernels on CUDA
+            tensors, or on CPU tensors under ``TRITON_INTERPRET=1``, computing in float32 for
+            fp32/bf16/fp16 scores; otherwise it falls back to ``"pytorch"`` with one warning per
+            process.
 
     Returns:
         The scalar loss ``sum_i -log(softmax(x)_ii + 1e-24) / batch_size`` in ``scores.dtype``.

@@ -205,7 +205,8 @@ def target_rank_counts(
         exclude_items, exclude_offsets, queries.shape[0], item_weights.shape[0], queries.device
     )
     return TRITON.dispatch(
-        "target_rank_counts", kernel, [t for t in (queries, item_weights, item_bias) if t is not None],
+        "target_rank_counts", kernel,
+        [t for t in (queries, item_weights, item_bias) if t is not None],
         triton=lambda module: module.target_rank_counts_triton(
             queries, item_weights, item_bias, targets,
             exclude_items=exclude_items, exclude_offsets=exclude_offsets,
@@ -225,7 +226,7 @@ def _target_rank_counts_chunked(
     exclude_items: Tensor | None,
     exclude_offsets: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """The PyTorch path of :func:`target_rank_counts` (validated inputs): chunk by chunk of items."""
+    """The PyTorch path of :func:`target_rank_counts` on validated inputs, chunk by chunk."""
     dtypes = [queries.dtype, item_weights.dtype]
     if item_bias is not None:
         dtypes.append(item_bias.dtype)
