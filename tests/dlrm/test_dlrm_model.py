@@ -5,9 +5,9 @@ DCN-v2 cross network against its per-row formula, bad arguments refused in one l
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import pickle
-import warnings
 
 import pytest
 import torch
@@ -251,8 +251,8 @@ def test_config_check_reads_the_signature() -> None:
             check_config_values(OmegaConf.create({"model": {**node, key: value}}))
 
 
-def _composed_model(*overrides: str) -> tuple[DLRM, list[warnings.WarningMessage]]:
-    """The model `python src/train.py model=dlrm <overrides>` builds, and the warnings building it gave."""
+def _composed_model(caplog, *overrides: str) -> tuple[DLRM, list[str]]:
+    """The model `python src/train.py model=dlrm <overrides>` builds, and the lines it logged."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
@@ -260,30 +260,29 @@ def _composed_model(*overrides: str) -> tuple[DLRM, list[warnings.WarningMessage
         cfg = compose("train", overrides=["model=dlrm", *overrides])
     check_config_values(OmegaConf.create({"model": OmegaConf.to_container(cfg.model)}))
     torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recforge.models.dlrm"):
         model = instantiate(cfg.model)(cardinalities=CARDS)
-    return model, caught
+    return model, [f"{r.levelname}: {r.getMessage()}" for r in caplog.records]
 
 
-def test_the_old_kernel_key_still_works_for_one_release() -> None:
-    new, new_warnings = _composed_model("model.dot_interaction.kernel=triton")
-    old, old_warnings = _composed_model("model.interaction_kernel=triton")
+def test_the_old_kernel_key_still_works_for_one_release(caplog) -> None:
+    new, new_lines = _composed_model(caplog, "model.dot_interaction.kernel=triton")
+    old, old_lines = _composed_model(caplog, "model.interaction_kernel=triton")
     assert new.interaction.kernel == old.interaction.kernel == "triton"
     assert repr(new) == repr(old)
     assert new.state_dict().keys() == old.state_dict().keys()
     assert all(torch.equal(v, old.state_dict()[k]) for k, v in new.state_dict().items())
-    assert [w for w in new_warnings if issubclass(w.category, FutureWarning)] == []
-    deprecations = [w for w in old_warnings if issubclass(w.category, FutureWarning)]
-    assert [str(w.message) for w in deprecations] == [
-        ("model.interaction_kernel is deprecated and will be removed in the next release; use "
-         "model.dot_interaction.kernel=triton")
+    assert new_lines == []
+    assert old_lines == [
+        ("WARNING: model.interaction_kernel is deprecated and will be removed in the next release; "
+         "use model.dot_interaction.kernel=triton")
     ]
-    default, default_warnings = _composed_model()
-    assert default.interaction.kernel == "pytorch" and not default_warnings
+    default, default_lines = _composed_model(caplog)
+    assert default.interaction.kernel == "pytorch" and default_lines == []
     with pytest.raises(UserInputError, match="model.interaction_kernel=pytorch contradicts "
                                              "model.dot_interaction.kernel=triton"):
-        _composed_model("model.dot_interaction.kernel=triton", "model.interaction_kernel=pytorch")
+        _composed_model(caplog, "model.dot_interaction.kernel=triton", "model.interaction_kernel=pytorch")
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -19,9 +19,9 @@ interaction terms against the reference (tests/dlrm/test_dlrm_oracle.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 INTERACTIONS = ("dot", "cat", "dcnv2")
+
+log = logging.getLogger(__name__)
 
 
 def _reference_linear_init_(layer: nn.Linear) -> None:
@@ -389,10 +391,10 @@ def _dot_kernel(choice: KernelChoice | None, deprecated: KernelImpl | None) -> K
     if deprecated is None:
         return kernel
     deprecated = check_kernel(deprecated, "model.interaction_kernel")
-    # stacklevel 3: the line that built the model, past this function and DLRM.__init__
-    warnings.warn(
-        f"model.interaction_kernel is deprecated and will be removed in the next release; use "
-        f"model.dot_interaction.kernel={deprecated}", FutureWarning, stacklevel=3,
+    # a log line, not warnings.warn: a config key has no source line worth printing beside it
+    log.warning(
+        "model.interaction_kernel is deprecated and will be removed in the next release; use "
+        "model.dot_interaction.kernel=%s", deprecated,
     )
     if kernel != "pytorch" and kernel != deprecated:
         raise UserInputError(
