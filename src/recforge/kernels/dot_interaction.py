@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
     "dot_interaction",
@@ -100,7 +100,7 @@ def _validate(dense: Tensor, embeddings: Tensor) -> None:
 
 
 def dot_interaction(
-    dense: Tensor, embeddings: Tensor, itself: bool = False, kernel: str = "pytorch"
+    dense: Tensor, embeddings: Tensor, itself: bool = False, kernel: KernelImpl = "pytorch"
 ) -> Tensor:
     """``concat(dense, lower triangle of T Tᵀ)``, T = ``[dense, embeddings]`` stacked, differentiable
     in both inputs.

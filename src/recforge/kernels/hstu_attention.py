@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from recforge.kernels.jagged import jagged_positions
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = ["LOG_BUCKET_DIVISOR", "hstu_attention", "hstu_attention_reference", "time_buckets"]
 
@@ -200,7 +200,7 @@ def hstu_attention(
     timestamps: Tensor,
     query_times: Tensor,
     width: int,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """Jagged causal HSTU attention with relative position and time biases (module docstring).
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
     "dropout_keep",
@@ -169,7 +169,7 @@ def hstu_output(
     dropout_p: float = 0.0,
     seed: int | None = None,
     eps: float = 1e-6,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """``x + dropout(u ⊙ LayerNorm(attn)) @ weight.T + bias``, differentiable in all five tensors.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = ["sparse_adagrad_momentum_", "sparse_adagrad_momentum_reference_"]
 
@@ -91,7 +91,7 @@ def sparse_adagrad_momentum_(
     lr: float,
     momentum: float = 0.0,
     eps: float = 1e-6,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> None:
     """Apply one lazy row-wise Adagrad-momentum step in place.
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from torch.nn import functional as F
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
     "negatives_softmax",
@@ -122,7 +122,7 @@ def sampled_softmax_xe(
     log_q: Tensor | None,
     logq: float,
     batch_size: int,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """Sampled softmax cross-entropy of the diagonal targets, differentiable w.r.t. ``scores``.
 
@@ -191,7 +191,7 @@ def sampled_bprmax(
     bpreg: float,
     elu_param: float,
     batch_size: int,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """BPR-max over the sampled columns, differentiable w.r.t. ``scores`` (spec §1.4).
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from recforge.kernels.jagged import jagged_positions
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = ["sorted_exclusions", "target_rank_counts", "target_rank_counts_reference"]
 
@@ -166,7 +166,7 @@ def target_rank_counts(
     item_bias: Tensor | None,
     targets: Tensor,
     chunk_size: int = 8192,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
     *,
     exclude_items: Tensor | None = None,
     exclude_offsets: Tensor | None = None,
