@@ -150,7 +150,8 @@ class TritonTwin:
         )
 
 
-# a function, not a method: dynamo then skips it as a call (one graph break), not as an inline
+# a function, not a method: dynamo's graph break then reads "Skip calling `torch.compiler.disable()`d
+# function" (as tests/dlrm/test_dlrm_model.py expects), not "Skip inlining"
 @torch.compiler.disable
 def _triton_outside_graphs(twin: TritonTwin, op, inputs, triton, reference, layout_reason):
     return twin._triton_or_reference(op, inputs, triton, reference, layout_reason)
