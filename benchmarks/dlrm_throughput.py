@@ -14,7 +14,7 @@ and one JSON line. Compare with facebookresearch/dlrm's ``DLRM_Net`` timed the s
 alternately (the machine is shared): see benchmarks/README.md.
 
     python benchmarks/dlrm_throughput.py --batch 128
-    python benchmarks/dlrm_throughput.py --batch 2048 --override model.interaction_kernel=triton --device cuda
+    python benchmarks/dlrm_throughput.py --batch 2048 --override model.dot_interaction.kernel=triton --device cuda
     python benchmarks/dlrm_throughput.py --experiment dlrm_dcnv2_criteo_terabyte --batch 2048 --multi-hot mlperf
 """
 from __future__ import annotations

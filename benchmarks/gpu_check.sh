@@ -64,5 +64,5 @@ run_step 6 && timeout 240 "$py" -m pytest -q tests/dlrm/test_dot_interaction.py 
 run_step 6 && timeout 300 "$py" benchmarks/dot_interaction_bench.py 2>&1 | tee "$out/dot_interaction.txt"
 run_step 6 && for kernel in pytorch triton; do
   timeout 200 "$py" benchmarks/dlrm_throughput.py --device cuda --threads 4 --batch 2048 \
-    --override model.interaction_kernel=$kernel 2>&1 | tail -2 | tee "$out/dlrm_throughput_$kernel.txt"
+    --override model.dot_interaction.kernel=$kernel 2>&1 | tail -2 | tee "$out/dlrm_throughput_$kernel.txt"
 done

@@ -71,7 +71,7 @@ def main() -> None:
         def step(table, grad_sum, velocity):
             sparse_adagrad_momentum_(
                 table, grad_sum, velocity if args.momentum > 0 else None, grad,
-                lr=0.1, momentum=args.momentum, impl=impl,
+                lr=0.1, momentum=args.momentum, kernel=impl,
             )
 
         seconds, _ = time_calls(lambda: step(*state), device, args.warmup, args.repeats)

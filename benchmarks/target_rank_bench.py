@@ -67,7 +67,7 @@ def main() -> None:
 
             blocks = tuple(int(x) for x in args.blocks.split(",")) if args.blocks else None
             return target_rank_counts_triton(q, w, b, t, n_splits=args.splits, block_sizes=blocks)
-        return target_rank_counts(q, w, b, t, chunk_size=args.chunk_size, impl=impl)
+        return target_rank_counts(q, w, b, t, chunk_size=args.chunk_size, kernel=impl)
 
     print(
         f"device={device_name(device)} torch={torch.__version__} B={args.batch} N={args.items} d={args.dim} "

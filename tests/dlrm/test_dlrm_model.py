@@ -5,6 +5,7 @@ DCN-v2 cross network against its per-row formula, bad arguments refused in one l
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import pickle
 
@@ -14,10 +15,11 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import CONF_DIR
 from recforge.config_values import ConfigValueError, check_config_values
 from recforge.contracts import CTRModel, declares
 from recforge.errors import UserInputError
-from recforge.kernels import dot_interaction as dot_op
+from recforge.kernels.dot_interaction import TRITON as DOT_TRITON
 from recforge.models.dlrm import DLRM, DCNv2Interaction, SparseArch, load_reference_state_dict
 
 CARDS = [3 + 2 * f for f in range(26)]  # 26 small tables of different sizes
@@ -214,11 +216,15 @@ def test_dcnv2_matches_its_per_layer_formula() -> None:
         ({"dense_arch": [64, 0]}, "model.dense_arch must be a list of positive integers"),
         ({"over_arch": "512-256"}, "model.over_arch must be a list of positive integers"),
         ({"interaction": "dcn"}, "model.interaction must be one of dot, cat, dcnv2, got 'dcn'"),
-        ({"interaction_kernel": "cuda"}, "model.interaction_kernel must be 'pytorch' or 'triton'"),
+        ({"dot_interaction": {"kernel": "cuda"}},
+         "unknown model.dot_interaction.kernel 'cuda'; allowed values: pytorch, triton"),
+        ({"dot_interaction": {"kernal": "triton"}},
+         r"model.dot_interaction takes only 'kernel', got \['kernal'\]"),
+        ({"interaction_kernel": "cuda"}, "unknown model.interaction_kernel 'cuda'"),
         ({"interaction": "cat", "interaction_itself": True},
          "interaction_itself=true applies to interaction=dot"),
-        ({"interaction": "dcnv2", "interaction_kernel": "triton"},
-         "interaction_kernel=triton applies to interaction=dot"),
+        ({"interaction": "dcnv2", "dot_interaction": {"kernel": "triton"}},
+         "model.dot_interaction.kernel=triton applies to interaction=dot"),
         ({"interaction": "dcnv2", "dcn_rank": 0}, "model.dcn_rank must be a positive integer"),
         ({"interaction": "dcnv2", "dcn_layers": 0}, "model.dcn_layers must be a positive integer"),
     ],
@@ -234,14 +240,49 @@ def test_bad_arguments_are_one_line_user_errors(kwargs, match) -> None:
 def test_config_check_reads_the_signature() -> None:
     # what `model.interaction=...` on the command line meets before anything is built
     node = {"_target_": "recforge.models.dlrm.DLRM", "_partial_": True, "interaction": "dcnv2",
-            "interaction_kernel": "pytorch", "dense_arch": [512, 256, 64], "dcn_rank": 512}
+            "dot_interaction": {"kernel": "pytorch"}, "dense_arch": [512, 256, 64], "dcn_rank": 512}
     check_config_values(OmegaConf.create({"model": node}))
     for key, value, match in (("interaction", "dcn", "model.interaction=dcn: expected one of"),
                               ("dcn_rank", 0, "model.dcn_rank=0: expected an integer >= 1"),
                               ("dense_arch", [64, -1], "model.dense_arch=\\[64, -1\\]"),
+                              ("dot_interaction", {"kernel": "cuda"}, "model.dot_interaction.kernel=cuda"),
                               ("interaction_kernel", "cuda", "model.interaction_kernel=cuda")):
         with pytest.raises(ConfigValueError, match=match):
             check_config_values(OmegaConf.create({"model": {**node, key: value}}))
+
+
+def _composed_model(caplog, *overrides: str) -> tuple[DLRM, list[str]]:
+    """The model `python src/train.py model=dlrm <overrides>` builds, and the lines it logged."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["model=dlrm", *overrides])
+    check_config_values(OmegaConf.create({"model": OmegaConf.to_container(cfg.model)}))
+    torch.manual_seed(0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recforge.models.dlrm"):
+        model = instantiate(cfg.model)(cardinalities=CARDS)
+    return model, [f"{r.levelname}: {r.getMessage()}" for r in caplog.records]
+
+
+def test_the_old_kernel_key_still_works_for_one_release(caplog) -> None:
+    new, new_lines = _composed_model(caplog, "model.dot_interaction.kernel=triton")
+    old, old_lines = _composed_model(caplog, "model.interaction_kernel=triton")
+    assert new.interaction.kernel == old.interaction.kernel == "triton"
+    assert repr(new) == repr(old)
+    assert new.state_dict().keys() == old.state_dict().keys()
+    assert all(torch.equal(v, old.state_dict()[k]) for k, v in new.state_dict().items())
+    assert new_lines == []
+    assert old_lines == [
+        ("WARNING: model.interaction_kernel is deprecated and will be removed in the next release; "
+         "use model.dot_interaction.kernel=triton")
+    ]
+    default, default_lines = _composed_model(caplog)
+    assert default.interaction.kernel == "pytorch" and default_lines == []
+    with pytest.raises(UserInputError, match="model.interaction_kernel=pytorch contradicts "
+                                             "model.dot_interaction.kernel=triton"):
+        _composed_model(caplog, "model.dot_interaction.kernel=triton", "model.interaction_kernel=pytorch")
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -287,9 +328,9 @@ def test_reference_loader_refuses_what_does_not_fit() -> None:
 def test_compile_equals_eager(interaction, kernel) -> None:
     import torch._dynamo
 
-    if kernel == "triton" and dot_op.TRITON.unusable_reason(torch.zeros(1, 1)) is not None:
+    if kernel == "triton" and DOT_TRITON.unusable_reason(torch.zeros(1, 1)) is not None:
         pytest.skip("Triton cannot run here (not importable, or CPU without TRITON_INTERPRET=1)")
-    eager = _small(interaction=interaction, interaction_kernel=kernel)
+    eager = _small(interaction=interaction, dot_interaction={"kernel": kernel})
     compiled = copy.deepcopy(eager)
     compiled.compile_dense = True
     dense, sparse = _batch(16, seed=6)

@@ -6,13 +6,17 @@ bottom MLP's last layer, none after the top MLP's), the order of the 351 interac
 concatenation after the bottom output."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
 
-from recforge.kernels import dot_interaction as dot_op
 from recforge.models.dlrm import DLRM, load_reference_state_dict
+
+# the module, not the op that recforge.kernels exports under its name
+dot_op = importlib.import_module("recforge.kernels.dot_interaction")
 
 # float32 round-off: both paths reproduce the probabilities exactly and every gradient to within
 # 1.5e-8 (the largest, top_l.0.weight, reaches ~0.2); the bound leaves room for other BLAS builds
@@ -92,7 +96,7 @@ def test_pytorch_interaction_reproduces_the_reference(reference) -> None:
 def test_triton_interaction_reproduces_the_reference(reference) -> None:
     if dot_op.TRITON.unusable_reason(torch.zeros(1, 1)) is not None:
         pytest.skip("Triton cannot run here (not importable, or CPU without TRITON_INTERPRET=1)")
-    _assert_reproduces(reference, interaction_kernel="triton")
+    _assert_reproduces(reference, dot_interaction={"kernel": "triton"})
 
 
 def test_the_oracle_pins_the_order_of_the_pairs(reference, monkeypatch) -> None:

@@ -8,11 +8,10 @@ import warnings
 import pytest
 import torch
 
-import recforge.kernels.dot_interaction as di
-from recforge.kernels.dot_interaction import dot_interaction, dot_interaction_reference, n_pairs
+from recforge.kernels.dot_interaction import TRITON, dot_interaction, dot_interaction_reference, n_pairs
 
 triton_usable = pytest.mark.skipif(
-    di.TRITON.unusable_reason(torch.zeros(1, 1)) is not None,
+    TRITON.unusable_reason(torch.zeros(1, 1)) is not None,
     reason="Triton cannot run here (not importable, or CPU without TRITON_INTERPRET=1)",
 )
 
@@ -36,7 +35,7 @@ def _upstream(batch: int, width: int, seed: int, dtype=torch.float32) -> torch.T
 def _run(impl: str, dense, embeddings, itself: bool, grad_out: torch.Tensor | None):
     d = dense.detach().clone().requires_grad_()
     e = embeddings.detach().clone().requires_grad_()
-    out = dot_interaction(d, e, itself, impl=impl)
+    out = dot_interaction(d, e, itself, kernel=impl)
     if grad_out is None:
         return out.detach(), None
     return out.detach(), torch.autograd.grad(out, (d, e), grad_out)
@@ -172,7 +171,7 @@ def test_triton_partial_gradients_and_determinism() -> None:
     dense, embeddings = _inputs(5, 7, 6, seed=4)
     grad_out = _upstream(5, 6 + n_pairs(8, True), seed=4)
     e = embeddings.clone().requires_grad_()
-    (g_emb,) = torch.autograd.grad(dot_interaction(dense, e, True, impl="triton"), (e,), grad_out)
+    (g_emb,) = torch.autograd.grad(dot_interaction(dense, e, True, kernel="triton"), (e,), grad_out)
     _, grads_p = _run("pytorch", dense, embeddings, True, grad_out)
     torch.testing.assert_close(g_emb, grads_p[1], rtol=RTOL, atol=ATOL)
     # no atomics: two runs give bitwise-identical gradients
@@ -184,7 +183,7 @@ def test_triton_partial_gradients_and_determinism() -> None:
 # ------------------------------------------------------------------------------ fallback, errors
 def _count_launches(monkeypatch) -> list[int]:
     calls: list[int] = []
-    module = di.TRITON.module()
+    module = TRITON.module()
     if module is not None:
         real = module._DotInteraction.apply
         monkeypatch.setattr(module._DotInteraction, "apply", lambda *a: calls.append(1) or real(*a))
@@ -193,13 +192,13 @@ def _count_launches(monkeypatch) -> list[int]:
 
 def test_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
     calls = _count_launches(monkeypatch)
-    monkeypatch.setattr(di.TRITON, "available", lambda: False)
-    monkeypatch.setattr(di.TRITON, "warned", False)
+    monkeypatch.setattr(TRITON, "available", lambda: False)
+    monkeypatch.setattr(TRITON, "warned", False)
     dense, embeddings = _inputs(3, 4, 5, seed=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = dot_interaction(dense, embeddings, impl="triton")
-        b = dot_interaction(dense, embeddings, impl="triton")
+        a = dot_interaction(dense, embeddings, kernel="triton")
+        b = dot_interaction(dense, embeddings, kernel="triton")
     fallback = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(fallback) == 1
     assert "Triton could not be imported" in str(fallback[0].message)
@@ -213,20 +212,20 @@ def test_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
 @pytest.mark.triton
 def test_float64_and_too_many_features_fall_back(monkeypatch) -> None:
     calls = _count_launches(monkeypatch)
-    monkeypatch.setattr(di.TRITON, "warned", False)
+    monkeypatch.setattr(TRITON, "warned", False)
     dense, embeddings = _inputs(3, 4, 5, seed=1)
     with pytest.warns(RuntimeWarning, match="float64"):
-        out = dot_interaction(dense.double(), embeddings.double(), impl="triton")
+        out = dot_interaction(dense.double(), embeddings.double(), kernel="triton")
     assert calls == [] and out.dtype == torch.float64
 
-    monkeypatch.setattr(di.TRITON.module(), "MAX_F", 4)
-    monkeypatch.setattr(di.TRITON, "warned", False)
+    monkeypatch.setattr(TRITON.module(), "MAX_F", 4)
+    monkeypatch.setattr(TRITON, "warned", False)
     with pytest.warns(RuntimeWarning, match="F = 5 stacked vectors"):
-        out = dot_interaction(dense, embeddings, impl="triton")
+        out = dot_interaction(dense, embeddings, kernel="triton")
     assert calls == []
     assert torch.equal(out, dot_interaction(dense, embeddings))
 
-    dot_interaction(dense, embeddings[:, :3], impl="triton")  # F = 4, at the limit: the kernel runs
+    dot_interaction(dense, embeddings[:, :3], kernel="triton")  # F = 4, at the limit: the kernel runs
     assert calls == [1]
 
 
@@ -248,9 +247,9 @@ def test_float64_and_too_many_features_fall_back(monkeypatch) -> None:
 def test_invalid_inputs_raise_value_errors(dense, embeddings, match) -> None:
     for impl in ("pytorch", "triton"):
         with pytest.raises(ValueError, match=match):
-            dot_interaction(dense, embeddings, impl=impl)
+            dot_interaction(dense, embeddings, kernel=impl)
 
 
 def test_unknown_impl() -> None:
-    with pytest.raises(ValueError, match="unknown impl 'cuda'"):
-        dot_interaction(torch.zeros(2, 3), torch.zeros(2, 4, 3), impl="cuda")
+    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+        dot_interaction(torch.zeros(2, 3), torch.zeros(2, 4, 3), kernel="cuda")

@@ -76,7 +76,7 @@ def _step(impl, table, grad_sum, velocity, rows, values, lr, mu, eps, **kwargs):
     table, grad_sum = table.clone().to(DEVICE), grad_sum.clone().to(DEVICE)
     velocity = velocity.clone().to(DEVICE) if mu > 0 else None
     grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, table.shape).to(DEVICE)
-    sparse_adagrad_momentum_(table, grad_sum, velocity, grad, lr=lr, momentum=mu, eps=eps, impl=impl, **kwargs)
+    sparse_adagrad_momentum_(table, grad_sum, velocity, grad, lr=lr, momentum=mu, eps=eps, kernel=impl, **kwargs)
     return table.cpu(), grad_sum.cpu(), None if velocity is None else velocity.cpu()
 
 
@@ -219,7 +219,7 @@ def test_unsupported_inputs_fall_back(case, monkeypatch, launches):
     sparse_adagrad_momentum_reference = ra.sparse_adagrad_momentum_reference_
     sparse_adagrad_momentum_reference(want, grad_sum.clone(), velocity.clone(), grad, 0.1, 0.3, 1e-6)
     with pytest.warns(RuntimeWarning, match=match):
-        sparse_adagrad_momentum_(table, grad_sum, velocity, grad, lr=0.1, momentum=0.3, impl="triton")
+        sparse_adagrad_momentum_(table, grad_sum, velocity, grad, lr=0.1, momentum=0.3, kernel="triton")
     assert launches == [] and torch.equal(table, want)
 
 
@@ -230,7 +230,7 @@ def test_unsupported_inputs_fall_back(case, monkeypatch, launches):
         (dict(grad=torch.zeros(4, 2).to_sparse(2)), "one sparse dimension"),
         (dict(grad=torch.zeros(5, 2).to_sparse(1)), "grad has shape"),
         (dict(velocity=None), "needs a velocity"),
-        (dict(impl="cuda"), "impl must be one of"),
+        (dict(kernel="cuda"), "unknown kernel 'cuda'"),
     ],
 )
 def test_invalid_inputs(kwargs, match):
@@ -244,7 +244,7 @@ def test_invalid_inputs(kwargs, match):
 
 
 def test_optimizer_rejects_an_unknown_kernel():
-    with pytest.raises(ValueError, match="kernel must be one of"):
+    with pytest.raises(ValueError, match="unknown optimizer.kernel 'cuda'"):
         IndexedAdagradM([torch.nn.Parameter(torch.zeros(1))], kernel="cuda")
 
 

@@ -41,7 +41,7 @@ def _log_q(n_cols: int, seed: int) -> torch.Tensor:
 
 def _value_and_grad(impl: str, scores: torch.Tensor, log_q, logq: float, upstream: float = 1.0):
     s = scores.clone().requires_grad_()
-    loss = sampled_softmax_xe(s, log_q, logq, BATCH_SIZE, impl=impl)
+    loss = sampled_softmax_xe(s, log_q, logq, BATCH_SIZE, kernel=impl)
     (grad,) = torch.autograd.grad(loss * upstream, s)
     return loss.detach(), grad
 
@@ -110,7 +110,7 @@ def test_upstream_gradient_log_q_gradient_and_strided_scores() -> None:
         s = base.clone().T.requires_grad_()
         assert not s.is_contiguous()
         q = log_q.clone().requires_grad_()
-        loss = sampled_softmax_xe(s, q, 0.5, BATCH_SIZE, impl=impl)
+        loss = sampled_softmax_xe(s, q, 0.5, BATCH_SIZE, kernel=impl)
         grads[impl] = torch.autograd.grad(loss * -2.5, (s, q))
     for got, want in zip(grads["triton"], grads["pytorch"]):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
@@ -184,15 +184,15 @@ def test_triton_path_launches(monkeypatch) -> None:
 )
 def test_invalid_inputs(args, match) -> None:
     with pytest.raises(ValueError, match=match):
-        sampled_softmax_xe(*args, impl="triton")
-    with pytest.raises(ValueError, match="unknown impl"):
-        sampled_softmax_xe(torch.zeros(2, 3), None, 0.0, 4, impl="cuda")
+        sampled_softmax_xe(*args, kernel="triton")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        sampled_softmax_xe(torch.zeros(2, 3), None, 0.0, 4, kernel="cuda")
 
 
 # ---------------------------------------------------------------------------------------- BPR-max
 def _bpr_value_and_grad(impl: str, scores: torch.Tensor, bpreg: float, elu: float, upstream=1.0):
     s = scores.clone().requires_grad_()
-    loss = sl.sampled_bprmax(s, bpreg, elu, BATCH_SIZE, impl=impl)
+    loss = sl.sampled_bprmax(s, bpreg, elu, BATCH_SIZE, kernel=impl)
     (grad,) = torch.autograd.grad(loss * upstream, s)
     return loss.detach(), grad
 
@@ -263,7 +263,7 @@ def test_bprmax_equals_loss_module_and_strided_scores() -> None:
     (g_ref,) = torch.autograd.grad(ref, s_ref)
     s = base.clone().T.requires_grad_()
     assert not s.is_contiguous()
-    loss = sl.sampled_bprmax(s, 0.7, 0.5, BATCH_SIZE, impl="triton")
+    loss = sl.sampled_bprmax(s, 0.7, 0.5, BATCH_SIZE, kernel="triton")
     (grad,) = torch.autograd.grad(loss, s)
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, g_ref, rtol=1e-5, atol=1e-7)
@@ -283,7 +283,7 @@ def test_bprmax_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> Non
         got = _bpr_value_and_grad("triton", scores, 1.0, 0.5)
         _bpr_value_and_grad("triton", scores, 1.0, 0.5)
     fallback = [w for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(fallback) == 1 and "sampled_bprmax(impl='triton')" in str(fallback[0].message)
+    assert len(fallback) == 1 and "sampled_bprmax(kernel='triton')" in str(fallback[0].message)
     assert calls == []
     want = _bpr_value_and_grad("pytorch", scores, 1.0, 0.5)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -291,13 +291,13 @@ def test_bprmax_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> Non
 
 def test_bprmax_invalid_inputs() -> None:
     with pytest.raises(ValueError, match="C >= 2"):
-        sl.sampled_bprmax(torch.zeros(1, 1), 1.0, 0.5, 4, impl="triton")
+        sl.sampled_bprmax(torch.zeros(1, 1), 1.0, 0.5, 4, kernel="triton")
     with pytest.raises(ValueError, match="C >= B'"):
-        sl.sampled_bprmax(torch.zeros(3, 2), 1.0, 0.5, 4, impl="triton")
+        sl.sampled_bprmax(torch.zeros(3, 2), 1.0, 0.5, 4, kernel="triton")
     with pytest.raises(ValueError, match="elu_param"):
-        sl.sampled_bprmax(torch.zeros(2, 3), 1.0, -0.5, 4, impl="triton")
-    with pytest.raises(ValueError, match="unknown impl"):
-        sl.sampled_bprmax(torch.zeros(2, 3), 1.0, 0.5, 4, impl="cuda")
+        sl.sampled_bprmax(torch.zeros(2, 3), 1.0, -0.5, 4, kernel="triton")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        sl.sampled_bprmax(torch.zeros(2, 3), 1.0, 0.5, 4, kernel="cuda")
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.triton
 hat = pytest.importorskip("recforge.kernels.hstu_attention_triton")
 
-if not torch.cuda.is_available() and not hat.interpreted():
+if not torch.cuda.is_available() and not hat.INTERPRETED:
     pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before import", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -320,7 +320,7 @@ def test_a_row_boundary_is_not_a_time_going_backwards():
 
 
 def test_refuses_an_unknown_kernel():
-    with pytest.raises(ValueError, match="attention.kernel must be 'pytorch' or 'triton', got 'cuda'"):
+    with pytest.raises(ValueError, match="unknown model.attention.kernel 'cuda'; allowed values: pytorch, triton"):
         HSTU(n_items=5, attention={"kernel": "cuda"})
     with pytest.raises(ValueError, match=r"output takes only 'kernel', got \['kernal'\]"):
         HSTU(n_items=5, output={"kernal": "triton"})

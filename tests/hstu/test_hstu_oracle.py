@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from recforge.kernels import hstu_attention as attention_op
-from recforge.kernels import hstu_output as output_op
+from recforge.kernels.hstu_attention import TRITON as ATTENTION_TRITON
+from recforge.kernels.hstu_output import TRITON as OUTPUT_TRITON
 from recforge.models.hstu import HSTU
 
 # float32 round-off through two layers: every kernel combination lands below 1e-7
@@ -83,9 +83,9 @@ def _skip_unless_triton_runs(twin, name: str) -> None:
 ])
 def test_reproduces_the_reference_outputs(reference, attention_kernel, output_kernel):
     if attention_kernel == "triton":
-        _skip_unless_triton_runs(attention_op.TRITON, "hstu_attention")
+        _skip_unless_triton_runs(ATTENTION_TRITON, "hstu_attention")
     if output_kernel == "triton":
-        _skip_unless_triton_runs(output_op.TRITON, "hstu_output")
+        _skip_unless_triton_runs(OUTPUT_TRITON, "hstu_output")
     model = _loaded_model(reference, attention={"kernel": attention_kernel}, output={"kernel": output_kernel})
     items, offsets, times, query = _jagged_batch(reference)
     assert int(items.min()) > 0  # no padding id inside a history

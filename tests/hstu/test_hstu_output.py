@@ -8,11 +8,10 @@ import warnings
 import pytest
 import torch
 
-import recforge.kernels.hstu_output as ho
-from recforge.kernels.hstu_output import dropout_keep, hstu_output, hstu_output_reference
+from recforge.kernels.hstu_output import TRITON, dropout_keep, dropout_key, hstu_output, hstu_output_reference
 
 triton_usable = pytest.mark.skipif(
-    ho.TRITON.unusable_reason(torch.zeros(1, 1)) is not None,
+    TRITON.unusable_reason(torch.zeros(1, 1)) is not None,
     reason="Triton cannot run here (not importable, or CPU without TRITON_INTERPRET=1)",
 )
 
@@ -58,7 +57,7 @@ def test_mask_hash_matches_python_integers() -> None:
     # the torch version splits each multiply into 16-bit halves to stay inside int64: check it
     # against exact integer arithmetic, element by element, seeds using both 32-bit words
     for seed in (0, 12345, 2**40 + 7, 2**64 - 1):
-        k0, k1 = ho.dropout_key(seed)
+        k0, k1 = dropout_key(seed)
         keep = dropout_keep(3, 37, 0.4, seed)
         for flat in range(3 * 37):
             h = _lowbias32(_lowbias32(flat ^ k0) ^ k1)
@@ -237,7 +236,7 @@ def test_triton_partial_gradients_and_determinism() -> None:
 # ------------------------------------------------------------------------------ fallback, errors
 def _count_launches(monkeypatch) -> list[int]:
     calls: list[int] = []
-    module = ho.TRITON.module()
+    module = TRITON.module()
     if module is not None:
         real = module._HSTUOutput.apply
         monkeypatch.setattr(module._HSTUOutput, "apply", lambda *a: calls.append(1) or real(*a))
@@ -246,8 +245,8 @@ def _count_launches(monkeypatch) -> list[int]:
 
 def test_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
     calls = _count_launches(monkeypatch)
-    monkeypatch.setattr(ho.TRITON, "available", lambda: False)
-    monkeypatch.setattr(ho.TRITON, "warned", False)
+    monkeypatch.setattr(TRITON, "available", lambda: False)
+    monkeypatch.setattr(TRITON, "warned", False)
     tensors = _inputs(3, 10, 4, seed=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -266,14 +265,14 @@ def test_unavailable_triton_warns_once_and_falls_back(monkeypatch) -> None:
 @pytest.mark.triton
 def test_float64_and_too_wide_rows_fall_back(monkeypatch) -> None:
     calls = _count_launches(monkeypatch)
-    monkeypatch.setattr(ho.TRITON, "warned", False)
+    monkeypatch.setattr(TRITON, "warned", False)
     tensors64 = _inputs(3, 10, 4, seed=1, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="float64"):
         out = hstu_output(*tensors64, kernel="triton")
     assert calls == [] and out.dtype == torch.float64
 
-    monkeypatch.setattr(ho.TRITON.module(), "MAX_E", 32)
-    monkeypatch.setattr(ho.TRITON, "warned", False)
+    monkeypatch.setattr(TRITON.module(), "MAX_E", 32)
+    monkeypatch.setattr(TRITON, "warned", False)
     tensors = _inputs(3, 50, 4, seed=1)
     with pytest.warns(RuntimeWarning, match="wider than"):
         out = hstu_output(*tensors, kernel="triton")

@@ -285,8 +285,8 @@ def test_bad_metric_name() -> None:
 
 def test_input_validation() -> None:
     q, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
-    with pytest.raises(ValueError, match="impl"):
-        target_rank_counts(q, w, None, t, impl="bogus")
+    with pytest.raises(ValueError, match="kernel"):
+        target_rank_counts(q, w, None, t, kernel="bogus")
     with pytest.raises(ValueError, match="embedding size"):
         target_rank_counts(q, torch.randn(5, 3), None, t)
     with pytest.raises(ValueError, match="item_bias"):

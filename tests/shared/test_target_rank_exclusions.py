@@ -189,14 +189,14 @@ def _valid():
 def test_bad_exclusions_are_refused(items, offsets, match, impl) -> None:
     q, w, b, t, _, _ = _valid()
     with pytest.raises(ValueError, match=match):
-        target_rank_counts(q, w, b, t, impl=impl, exclude_items=items, exclude_offsets=offsets)
+        target_rank_counts(q, w, b, t, kernel=impl, exclude_items=items, exclude_offsets=offsets)
 
 
 # ---------------------------------------------------------------- Triton twin
 @pytest.fixture
 def trt():
     module = pytest.importorskip("recforge.kernels.target_rank_triton")
-    if DEVICE == "cpu" and not module.interpreted():
+    if DEVICE == "cpu" and not module.INTERPRETED:
         pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before import")
     return module
 
@@ -220,7 +220,7 @@ def launches(trt, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_matches_oracle(shape, with_bias, launches) -> None:
     q, w, b, t, ex, off = _on(DEVICE, *_problem(*shape, with_bias, seed=sum(shape)))
-    got = target_rank_counts(q, w, b, t, impl="triton", exclude_items=ex, exclude_offsets=off)
+    got = target_rank_counts(q, w, b, t, kernel="triton", exclude_items=ex, exclude_offsets=off)
     assert launches == [True]
     _assert_counts(got, _oracle(q, w, b, t, ex, off))
 
@@ -244,7 +244,7 @@ def test_triton_half_precision(dtype, launches) -> None:
     want = _oracle(q, w, b, t, ex, off)
     q, w, b = (x.to(DEVICE, dtype) for x in (q, w, b))
     t, ex, off = _on(DEVICE, t, ex, off)
-    got = target_rank_counts(q, w, b, t, impl="triton", exclude_items=ex, exclude_offsets=off)
+    got = target_rank_counts(q, w, b, t, kernel="triton", exclude_items=ex, exclude_offsets=off)
     assert launches == [True]
     _assert_counts(got, want)
 
@@ -253,9 +253,9 @@ def test_triton_half_precision(dtype, launches) -> None:
 def test_triton_without_exclusions_unchanged(trt, launches) -> None:
     # lists holding only targets (or nothing) launch the plain kernel: same counts as no lists
     q, w, b, t = _on(DEVICE, *_embeddings(18, 60, 8, True, seed=6))
-    plain = target_rank_counts(q, w, b, t, impl="triton")
+    plain = target_rank_counts(q, w, b, t, kernel="triton")
     only_targets = target_rank_counts(
-        q, w, b, t, impl="triton", exclude_items=t, exclude_offsets=torch.arange(19, device=DEVICE)
+        q, w, b, t, kernel="triton", exclude_items=t, exclude_offsets=torch.arange(19, device=DEVICE)
     )
     assert launches == [False, True]
     assert plain[0].tolist() == only_targets[0].tolist() and plain[1].tolist() == only_targets[1].tolist()
@@ -281,6 +281,6 @@ def test_triton_falls_back_with_exclusions(monkeypatch, launches) -> None:
     monkeypatch.setattr(tr.TRITON, "warned", False)
     q, w, b, t, ex, off = _problem(9, 23, 4, True, seed=2)
     with pytest.warns(RuntimeWarning, match="could not be imported"):
-        got = target_rank_counts(q, w, b, t, impl="triton", exclude_items=ex, exclude_offsets=off)
+        got = target_rank_counts(q, w, b, t, kernel="triton", exclude_items=ex, exclude_offsets=off)
     assert not launches
     _assert_counts(got, _oracle(q, w, b, t, ex, off))

@@ -20,7 +20,7 @@ from recforge.kernels.target_rank import target_rank_counts_reference
 pytestmark = pytest.mark.triton
 trt = pytest.importorskip("recforge.kernels.target_rank_triton")
 
-if not torch.cuda.is_available() and not trt.interpreted():
+if not torch.cuda.is_available() and not trt.INTERPRETED:
     pytest.skip("no GPU and TRITON_INTERPRET=1 was not set before import", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,7 +78,7 @@ def test_matches_pytorch_fp32(kind, with_bias, shape, launches) -> None:
     q, w, b = _to(DEVICE, torch.float32, q, w, b)
     t = t.to(DEVICE)
     want = target_rank_counts(q, w, b, t, chunk_size=16)
-    got = target_rank_counts(q, w, b, t, impl="triton")
+    got = target_rank_counts(q, w, b, t, kernel="triton")
     assert launches, "the Triton kernel was not used"
     _assert_same(got, want)
     if kind == "int" and n_items > 5:  # the comparison only means something with ties
@@ -95,7 +95,7 @@ def test_matches_pytorch_low_precision(kind, q_dtype, w_dtype, launches) -> None
     q = q.to(DEVICE, q_dtype)
     w, b = _to(DEVICE, w_dtype, w, b)
     t = t.to(DEVICE)
-    got = target_rank_counts(q, w, b, t, impl="triton")
+    got = target_rank_counts(q, w, b, t, kernel="triton")
     assert launches
     _assert_same(got, target_rank_counts(q, w, b, t))
 
@@ -106,7 +106,7 @@ def test_constant_scores_all_tie(with_bias, launches) -> None:
     q, w, b, t = _problem("constant", 18, n_items, 20, with_bias, seed=0)
     q, w, b = _to(DEVICE, torch.float32, q, w, b)
     t = t.to(DEVICE)
-    n_greater, n_equal = target_rank_counts(q, w, b, t, impl="triton")
+    n_greater, n_equal = target_rank_counts(q, w, b, t, kernel="triton")
     assert launches
     assert n_greater.tolist() == [0] * 18
     assert n_equal.tolist() == [n_items] * 18
@@ -166,7 +166,7 @@ def test_duplicated_target_rows_tie_exactly() -> None:
 def test_empty_batch() -> None:
     q, w = torch.zeros(0, 8, device=DEVICE), torch.randn(10, 8, device=DEVICE)
     t = torch.zeros(0, dtype=torch.long, device=DEVICE)
-    n_greater, n_equal = target_rank_counts(q, w, None, t, impl="triton")
+    n_greater, n_equal = target_rank_counts(q, w, None, t, kernel="triton")
     assert n_greater.shape == (0,) and n_equal.shape == (0,)
 
 
@@ -177,9 +177,9 @@ def test_unavailable_triton_warns_once_and_falls_back(monkeypatch, launches) -> 
     want = target_rank_counts_reference(q @ w.T + b, t)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = target_rank_counts(q, w, b, t, impl="triton")
-        second = target_rank_counts(q, w, None, t, impl="triton")
-    fallback = [c for c in caught if "impl='triton'" in str(c.message)]
+        first = target_rank_counts(q, w, b, t, kernel="triton")
+        second = target_rank_counts(q, w, None, t, kernel="triton")
+    fallback = [c for c in caught if "kernel='triton'" in str(c.message)]
     assert len(fallback) == 1, [str(c.message) for c in caught]
     assert issubclass(fallback[0].category, RuntimeWarning)
     assert "could not be imported" in str(fallback[0].message)
@@ -189,11 +189,11 @@ def test_unavailable_triton_warns_once_and_falls_back(monkeypatch, launches) -> 
 
 
 def test_cpu_without_interpreter_falls_back(monkeypatch, launches) -> None:
-    monkeypatch.setattr(trt, "interpreted", lambda: False)
+    monkeypatch.setattr(trt, "INTERPRETED", False)
     monkeypatch.setattr(tr.TRITON, "warned", False)
     q, w, b, t = _problem("int", 5, 12, 4, False, seed=3)
     with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET=1 was not set"):
-        got = target_rank_counts(q, w, b, t, impl="triton")
+        got = target_rank_counts(q, w, b, t, kernel="triton")
     assert not launches
     _assert_same(got, target_rank_counts_reference(q @ w.T, t))
 
@@ -203,14 +203,14 @@ def test_float64_falls_back(monkeypatch, launches) -> None:
     q, w, b, t = _problem("float", 5, 12, 4, True, seed=4)
     q, w, b = q.double().to(DEVICE), w.double().to(DEVICE), b.double().to(DEVICE)
     with pytest.warns(RuntimeWarning, match="float64"):
-        got = target_rank_counts(q, w, b, t.to(DEVICE), impl="triton")
+        got = target_rank_counts(q, w, b, t.to(DEVICE), kernel="triton")
     assert not launches
     _assert_same(got, target_rank_counts(q, w, b, t.to(DEVICE)))
 
 
-def test_unknown_impl_is_rejected() -> None:
+def test_unknown_kernel_is_rejected() -> None:
     with pytest.raises(ValueError, match="pytorch, triton"):
-        target_rank_counts(torch.ones(1, 2), torch.ones(3, 2), None, torch.tensor([0]), impl="cuda")
+        target_rank_counts(torch.ones(1, 2), torch.ones(3, 2), None, torch.tensor([0]), kernel="cuda")
 
 
 def test_evaluation_kernel_config_reaches_the_kernel(make_cfg, launches) -> None:

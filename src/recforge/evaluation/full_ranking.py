@@ -65,7 +65,7 @@ class FullRanking(SplitEvaluation):
         if exclude_items is not None:
             extra = {"exclude_items": exclude_items, "exclude_offsets": exclude_offsets}
         n_greater, n_equal = target_rank_counts(
-            queries, item_weights, item_bias, targets, chunk_size=self.chunk_size, impl=self.kernel, **extra
+            queries, item_weights, item_bias, targets, chunk_size=self.chunk_size, kernel=self.kernel, **extra
         )
         metrics = self.splits[split]
         if self.max_rank is None:

@@ -8,9 +8,9 @@ take the Gram matrix ``Z = T Tᵀ`` (``[B, F, F]``) and keep its strictly lower 
 The output is ``concat(dense, those values)``: ``[B, d + F(F-1)/2]`` (27 vectors: 351 values) or
 ``[B, d + F(F+1)/2]`` (378).
 
-``impl="pytorch"`` is the reference below (the CPU path and the tests' oracle): the same
+``kernel="pytorch"`` is the reference below (the CPU path and the tests' oracle): the same
 concatenate, ``bmm``, gather and concatenate as facebookresearch/dlrm's ``interact_features``, so
-it reproduces that code to float round-off. ``impl="triton"``
+it reproduces that code to float round-off. ``kernel="triton"``
 (:mod:`recforge.kernels.dot_interaction_triton`) fuses the Gram matrix, the triangle gather and the
 concatenation into one kernel and its backward into another, without materialising ``T``, ``Z``
 or the index tensors. When Triton cannot run it falls back to the reference with one warning per
@@ -22,19 +22,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
-    "IMPLS",
     "dot_interaction",
     "dot_interaction_reference",
     "interaction_width",
     "n_pairs",
     "pair_indices",
 ]
-
-#: Implementations accepted by :func:`dot_interaction`.
-IMPLS: tuple[str, ...] = ("pytorch", "triton")
 
 TRITON = TritonTwin("recforge.kernels.dot_interaction_triton")
 
@@ -104,7 +100,7 @@ def _validate(dense: Tensor, embeddings: Tensor) -> None:
 
 
 def dot_interaction(
-    dense: Tensor, embeddings: Tensor, itself: bool = False, impl: str = "pytorch"
+    dense: Tensor, embeddings: Tensor, itself: bool = False, kernel: KernelImpl = "pytorch"
 ) -> Tensor:
     """``concat(dense, lower triangle of T Tᵀ)``, T = ``[dense, embeddings]`` stacked, differentiable
     in both inputs.
@@ -113,42 +109,24 @@ def dot_interaction(
         dense: ``[B, d]`` the bottom MLP's output (first of the stacked vectors).
         embeddings: ``[B, F_e, d]`` the pooled embeddings, one per categorical feature.
         itself: keep the diagonal ``Z[i, i]`` too (the reference's ``--arch-interaction-itself``).
-        impl: one of :data:`IMPLS`. ``"triton"`` runs the fused kernels on CUDA tensors (float32,
-            bfloat16, float16; dot products accumulate in float32), or CPU ones under
-            ``TRITON_INTERPRET=1``; otherwise it falls back to ``"pytorch"`` with one warning per
-            process.
+        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernels on CUDA
+            tensors (float32, bfloat16, float16; dot products accumulate in float32), or CPU ones
+            under ``TRITON_INTERPRET=1``; otherwise it falls back to ``"pytorch"`` with one warning
+            per process.
 
     Returns:
         ``[B, d + P]`` with ``P = F(F-1)/2`` (``F(F+1)/2`` with ``itself``), ``F = F_e + 1``, in
         the dtype ``torch.cat`` promotes the two inputs to.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
     _validate(dense, embeddings)
     itself = bool(itself)
     # the reference's torch.cat promotes mixed inputs (a bf16 MLP output beside fp32 tables under
     # autocast); both twins compute in that one dtype
     dtype = torch.promote_types(dense.dtype, embeddings.dtype)
     dense, embeddings = dense.to(dtype), embeddings.to(dtype)
-    if impl == "triton":
-        if torch.compiler.is_compiling():
-            # dynamo cannot trace the lazy import and the checks below: one graph break around
-            # all of it instead of one per call it meets
-            return _triton_outside_graphs(dense, embeddings, itself)
-        return _triton_or_reference(dense, embeddings, itself, stacklevel=3)
-    return dot_interaction_reference(dense, embeddings, itself)
-
-
-def _triton_or_reference(dense: Tensor, embeddings: Tensor, itself: bool, stacklevel: int) -> Tensor:
-    reason = TRITON.unusable_reason(dense, embeddings)
-    if reason is None:
-        reason = TRITON.module().layout_reason(dense, embeddings)
-    if reason is None:
-        return TRITON.module().dot_interaction_triton(dense, embeddings, itself)
-    TRITON.warn_fallback("dot_interaction", reason, stacklevel=stacklevel)
-    return dot_interaction_reference(dense, embeddings, itself)
-
-
-@torch.compiler.disable
-def _triton_outside_graphs(dense: Tensor, embeddings: Tensor, itself: bool) -> Tensor:
-    return _triton_or_reference(dense, embeddings, itself, stacklevel=3)
+    return TRITON.dispatch(
+        "dot_interaction", kernel, (dense, embeddings),
+        triton=lambda module: module.dot_interaction_triton(dense, embeddings, itself),
+        reference=lambda: dot_interaction_reference(dense, embeddings, itself),
+        layout_reason=lambda module: module.layout_reason(dense, embeddings),
+    )

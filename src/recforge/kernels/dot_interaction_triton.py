@@ -34,14 +34,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recforge.kernels._interpret import interpreted
+
 __all__ = [
+    "INTERPRETED",
     "KERNEL_DTYPES",
     "MAX_D",
     "MAX_F",
     "dot_interaction_backward",
     "dot_interaction_forward",
     "dot_interaction_triton",
-    "interpreted",
     "layout_reason",
 ]
 
@@ -183,9 +185,7 @@ def _dot_interaction_bwd_kernel(
                      d_t.to(d_emb_ptr.dtype.element_ty), mask=emb_out[:, None] & col_ok[None, :])
 
 
-def interpreted() -> bool:
-    """Whether the kernels were defined under ``TRITON_INTERPRET=1`` (so CPU tensors work)."""
-    return not isinstance(_dot_interaction_fwd_kernel, triton.runtime.JITFunction)
+INTERPRETED = interpreted(_dot_interaction_fwd_kernel)
 
 
 def layout_reason(dense: Tensor, embeddings: Tensor) -> str | None:
@@ -219,7 +219,7 @@ def _upcast(dtype: torch.dtype) -> bool:
     """Whether the dots take float32 operands ("ieee" FMAs): float32 inputs, and bfloat16 under the
     interpreter, whose dot multiplies bf16's raw uint16 storage (Triton 3.x); upcasting gives the
     same exact products. Otherwise half inputs go to the tensor cores as they are."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETED)
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -228,7 +228,7 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def _launch_config(dense: Tensor, embeddings: Tensor, config: dict | None) -> dict:
-    on_gpu = dense.device.type == "cuda" and not interpreted()
+    on_gpu = dense.device.type == "cuda" and not INTERPRETED
     return {**_config(embeddings.shape[1] + 1, dense.shape[1], on_gpu), **(config or {})}
 
 

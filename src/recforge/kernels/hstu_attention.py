@@ -30,12 +30,9 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from recforge.kernels.jagged import jagged_positions
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
-__all__ = ["IMPLS", "LOG_BUCKET_DIVISOR", "hstu_attention", "hstu_attention_reference", "time_buckets"]
-
-#: Implementations accepted by :func:`hstu_attention`.
-IMPLS: tuple[str, ...] = ("pytorch", "triton")
+__all__ = ["LOG_BUCKET_DIVISOR", "hstu_attention", "hstu_attention_reference", "time_buckets"]
 
 TRITON = TritonTwin("recforge.kernels.hstu_attention_triton")
 
@@ -203,7 +200,7 @@ def hstu_attention(
     timestamps: Tensor,
     query_times: Tensor,
     width: int,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """Jagged causal HSTU attention with relative position and time biases (module docstring).
 
@@ -216,24 +213,21 @@ def hstu_attention(
         timestamps: ``[T]`` integer, each element's time (seconds).
         query_times: ``[T]`` integer, the time each element's query is asked at.
         width: the fixed divisor of the SiLU scores and the position weights' half-size.
-        kernel: one of :data:`IMPLS`; ``"triton"`` falls back to ``"pytorch"`` (one warning per
-            process) when Triton cannot take these tensors.
+        kernel: ``"pytorch"`` or ``"triton"``; ``"triton"`` falls back to ``"pytorch"`` (one
+            warning per process) when Triton cannot take these tensors.
 
     Returns:
         ``[T, H, dv]`` in v's dtype, differentiable in q, k, v, pos_weights and time_weights (the
         buckets are integers: no gradient reaches the times).
     """
-    if kernel not in IMPLS:
-        raise ValueError(f"unknown kernel {kernel!r}; allowed values: {', '.join(IMPLS)}")
     _validate(q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width)
-    if kernel == "triton":
-        reason = TRITON.unusable_reason(q, k, v, pos_weights, time_weights)
-        if reason is None:
-            return TRITON.module().hstu_attention_triton(
-                q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len,
-                pos_weights, time_weights, timestamps, query_times, width,
-            )
-        TRITON.warn_fallback("hstu_attention", reason, stacklevel=2)
-    return hstu_attention_reference(
-        q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width
+    return TRITON.dispatch(
+        "hstu_attention", kernel, (q, k, v, pos_weights, time_weights),
+        triton=lambda module: module.hstu_attention_triton(
+            q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len,
+            pos_weights, time_weights, timestamps, query_times, width,
+        ),
+        reference=lambda: hstu_attention_reference(
+            q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width
+        ),
     )

@@ -50,11 +50,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recforge.kernels._interpret import interpreted
+
 __all__ = [
+    "INTERPRETED",
     "KERNEL_DTYPES",
     "bucket_thresholds",
     "hstu_attention_triton",
-    "interpreted",
     "time_bucket",
 ]
 
@@ -376,9 +378,7 @@ def _hstu_bwd_dq_kernel(
     )
 
 
-def interpreted() -> bool:
-    """Whether the kernels were defined under ``TRITON_INTERPRET=1`` (so CPU tensors work)."""
-    return not isinstance(_hstu_fwd_kernel, triton.runtime.JITFunction)
+INTERPRETED = interpreted(_hstu_fwd_kernel)
 
 
 # ------------------------------------------------------------------------------------------- host
@@ -479,7 +479,7 @@ class _HstuAttention(torch.autograd.Function):
                 overrides):  # fmt: skip
         n_tok, n_heads, dim_qk = q.shape
         dim_v = v.shape[2]
-        on_gpu = q.device.type == "cuda" and not interpreted()
+        on_gpu = q.device.type == "cuda" and not INTERPRETED
         config = {**_config(dim_qk, dim_v, on_gpu), **overrides}
         if config["bwd_block_m"] > config["bwd_block_n"]:
             raise ValueError(f"bwd_block_m must not exceed bwd_block_n, got {config}")

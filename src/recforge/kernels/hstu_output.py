@@ -23,19 +23,15 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
-    "IMPLS",
     "dropout_keep",
     "dropout_key",
     "dropout_threshold",
     "hstu_output",
     "hstu_output_reference",
 ]
-
-#: Implementations accepted by :func:`hstu_output`.
-IMPLS: tuple[str, ...] = ("pytorch", "triton")
 
 TRITON = TritonTwin("recforge.kernels.hstu_output_triton")
 
@@ -173,7 +169,7 @@ def hstu_output(
     dropout_p: float = 0.0,
     seed: int | None = None,
     eps: float = 1e-6,
-    kernel: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """``x + dropout(u ⊙ LayerNorm(attn)) @ weight.T + bias``, differentiable in all five tensors.
 
@@ -186,15 +182,13 @@ def hstu_output(
         seed: fixes the mask (any Python int). None with ``dropout_p > 0`` draws one from torch's
             default CPU generator, so runs seeded with ``torch.manual_seed`` repeat.
         eps: LayerNorm's epsilon.
-        kernel: one of :data:`IMPLS`. ``"triton"`` runs the fused kernel on CUDA float32 tensors,
-            or CPU ones under ``TRITON_INTERPRET=1``; otherwise it falls back to ``"pytorch"``
-            with one warning per process. Both drop the same elements for the same seed.
+        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernel on CUDA float32
+            tensors, or CPU ones under ``TRITON_INTERPRET=1``; otherwise it falls back to
+            ``"pytorch"`` with one warning per process. Both drop the same elements for one seed.
 
     Returns:
         ``[T, D]`` in the inputs' dtype.
     """
-    if kernel not in IMPLS:
-        raise ValueError(f"unknown kernel {kernel!r}; allowed values: {', '.join(IMPLS)}")
     dropout_p, eps = float(dropout_p), float(eps)
     _validate(attn, u, x, weight, bias, dropout_p, eps)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -202,11 +196,11 @@ def hstu_output(
     if dropout_p > 0.0 and seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     seed = 0 if seed is None else seed
-    if kernel == "triton":
-        reason = TRITON.unusable_reason(attn, u, x, weight, bias)
-        if reason is None:
-            reason = TRITON.module().layout_reason(attn, u)
-        if reason is None:
-            return TRITON.module().hstu_output_triton(attn, u, x, weight, bias, dropout_p, seed, eps)
-        TRITON.warn_fallback("hstu_output", reason, stacklevel=2)
-    return hstu_output_reference(attn, u, x, weight, bias, dropout_p, seed, eps)
+    return TRITON.dispatch(
+        "hstu_output", kernel, (attn, u, x, weight, bias),
+        triton=lambda module: module.hstu_output_triton(
+            attn, u, x, weight, bias, dropout_p, seed, eps
+        ),
+        reference=lambda: hstu_output_reference(attn, u, x, weight, bias, dropout_p, seed, eps),
+        layout_reason=lambda module: module.layout_reason(attn, u),
+    )

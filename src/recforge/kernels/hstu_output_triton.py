@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recforge.kernels._interpret import interpreted
 from recforge.kernels.hstu_output import dropout_key, dropout_threshold
 
-__all__ = ["KERNEL_DTYPES", "MAX_E", "hstu_output_triton", "interpreted", "layout_reason"]
+__all__ = ["INTERPRETED", "KERNEL_DTYPES", "MAX_E", "hstu_output_triton", "layout_reason"]
 
 #: Dtypes the kernel takes (the layer trains in float32; statistics are float32 throughout).
 KERNEL_DTYPES = (torch.float32,)
@@ -165,9 +166,7 @@ def _hstu_output_bwd_kernel(
         tl.store(y_ptr + out_off, y, mask=mask)
 
 
-def interpreted() -> bool:
-    """Whether the kernels were defined under ``TRITON_INTERPRET=1`` (so CPU tensors work)."""
-    return not isinstance(_hstu_output_fwd_kernel, triton.runtime.JITFunction)
+INTERPRETED = interpreted(_hstu_output_fwd_kernel)
 
 
 def layout_reason(attn: Tensor, u: Tensor) -> str | None:
@@ -219,7 +218,7 @@ def hstu_output_forward(
     rstd = torch.empty_like(mean)
     if n_rows == 0:
         return y, mean, rstd
-    on_gpu = device.type == "cuda" and not interpreted()
+    on_gpu = device.type == "cuda" and not INTERPRETED
     bm, be, warps = _tiles(width, on_gpu, block_m)
     k0, k1, threshold, scale = _dropout_args(dropout_p, seed)
     _hstu_output_fwd_kernel[(triton.cdiv(n_rows, bm),)](
@@ -250,7 +249,7 @@ def hstu_output_backward(
     y = torch.empty_like(d_attn) if store_y else None
     if n_rows == 0:
         return d_attn, d_u, y
-    on_gpu = device.type == "cuda" and not interpreted()
+    on_gpu = device.type == "cuda" and not INTERPRETED
     bm, be, warps = _tiles(width, on_gpu, block_m)
     k0, k1, threshold, scale = _dropout_args(dropout_p, seed)
     _hstu_output_bwd_kernel[(triton.cdiv(n_rows, bm),)](

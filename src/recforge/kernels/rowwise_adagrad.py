@@ -8,8 +8,8 @@ For each row ``r`` that appears in the gradient, with ``g`` the sum of its dupli
 accumulator change, no velocity decay, no step. :class:`recforge.optim.adagrad_momentum.IndexedAdagradM`
 calls :func:`sparse_adagrad_momentum_` for every parameter whose gradient is sparse.
 
-``impl="pytorch"`` is the reference below: coalesce (which sums the duplicates), then a handful of
-indexed ops. ``impl="triton"`` (:mod:`recforge.kernels.rowwise_adagrad_triton`) sorts the row
+``kernel="pytorch"`` is the reference below: coalesce (which sums the duplicates), then a handful of
+indexed ops. ``kernel="triton"`` (:mod:`recforge.kernels.rowwise_adagrad_triton`) sorts the row
 indices and does the rest in one launch, one program per distinct row, summing its duplicates in
 their original order and reading and writing each parameter, accumulator and velocity row once.
 On a GPU the reference is a dozen small launches per step; the update itself moves a few hundred
@@ -21,12 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
-__all__ = ["IMPLS", "sparse_adagrad_momentum_", "sparse_adagrad_momentum_reference_"]
-
-#: Implementations accepted by :func:`sparse_adagrad_momentum_`.
-IMPLS: tuple[str, ...] = ("pytorch", "triton")
+__all__ = ["sparse_adagrad_momentum_", "sparse_adagrad_momentum_reference_"]
 
 TRITON = TritonTwin("recforge.kernels.rowwise_adagrad_triton")
 
@@ -59,7 +56,7 @@ def sparse_adagrad_momentum_reference_(
     param: Tensor, grad_sum: Tensor, velocity: Tensor | None, grad: Tensor,
     lr: float, momentum: float, eps: float,
 ) -> None:
-    """The PyTorch reference of :func:`sparse_adagrad_momentum_` (same arguments, no ``impl``)."""
+    """The PyTorch reference of :func:`sparse_adagrad_momentum_` (same arguments, no ``kernel``)."""
     grad = grad.coalesce()
     rows = grad._indices()[0]
     values = grad._values()
@@ -75,6 +72,7 @@ def sparse_adagrad_momentum_reference_(
 
 
 def _layout_reason(param: Tensor, grad_sum: Tensor, velocity: Tensor | None) -> str | None:
+    """Why the kernel cannot update these tensors in place, or None when it can."""
     tensors = [t for t in (param, grad_sum, velocity) if t is not None]
     if any(not t.is_contiguous() for t in tensors):
         return "the kernel needs contiguous parameter and state tensors"
@@ -93,7 +91,7 @@ def sparse_adagrad_momentum_(
     lr: float,
     momentum: float = 0.0,
     eps: float = 1e-6,
-    impl: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> None:
     """Apply one lazy row-wise Adagrad-momentum step in place.
 
@@ -104,19 +102,19 @@ def sparse_adagrad_momentum_(
         grad: sparse COO ``[N, ...]`` with one sparse dimension, coalesced or not (duplicate rows
             are summed before the update).
         lr, momentum, eps: the step size, heavy-ball momentum μ and Adagrad's ε (inside the root).
-        impl: ``"pytorch"`` (the reference) or ``"triton"``.
+        kernel: ``"pytorch"`` (the reference) or ``"triton"``, which falls back to the reference
+            with one warning per process where Triton cannot run.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     _validate(param, grad_sum, velocity, grad, momentum)
-    if impl == "triton":
-        reason = _layout_reason(param, grad_sum, velocity if momentum > 0 else None)
-        reason = reason or TRITON.unusable_reason(param, grad_sum, grad._values())
-        if reason is None:
-            TRITON.module().sparse_adagrad_momentum_triton_(
-                param, grad_sum, velocity if momentum > 0 else None,
-                grad._indices()[0], grad._values(), lr=lr, momentum=momentum, eps=eps,
-            )
-            return
-        TRITON.warn_fallback("sparse_adagrad_momentum_", reason, stacklevel=2)
-    sparse_adagrad_momentum_reference_(param, grad_sum, velocity, grad, lr, momentum, eps)
+    state = velocity if momentum > 0 else None
+    TRITON.dispatch(
+        "sparse_adagrad_momentum_", kernel, (param, grad_sum, grad._values()),
+        triton=lambda module: module.sparse_adagrad_momentum_triton_(
+            param, grad_sum, state, grad._indices()[0], grad._values(),
+            lr=lr, momentum=momentum, eps=eps,
+        ),
+        reference=lambda: sparse_adagrad_momentum_reference_(
+            param, grad_sum, velocity, grad, lr, momentum, eps
+        ),
+        layout_reason=lambda _module: _layout_reason(param, grad_sum, state),
+    )

@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["KERNEL_DTYPES", "interpreted", "sparse_adagrad_momentum_triton_"]
+from recforge.kernels._interpret import interpreted
+
+__all__ = ["INTERPRETED", "KERNEL_DTYPES", "sparse_adagrad_momentum_triton_"]
 
 #: Parameter, state and gradient dtypes the kernel takes (the optimizer state is float32).
 KERNEL_DTYPES = (torch.float32,)
@@ -81,9 +83,7 @@ def _num_warps(block_d: int, on_gpu: bool) -> int:
     return max(1, min(8, block_d // 128)) if on_gpu else 1
 
 
-def interpreted() -> bool:
-    """Whether the kernel was defined under ``TRITON_INTERPRET=1`` (so CPU tensors work)."""
-    return not isinstance(_sparse_adagrad_momentum_kernel, triton.runtime.JITFunction)
+INTERPRETED = interpreted(_sparse_adagrad_momentum_kernel)
 
 
 def sparse_adagrad_momentum_triton_(
@@ -114,7 +114,7 @@ def sparse_adagrad_momentum_triton_(
     width = param[0].numel() if param.shape[0] else 1
     values = values.reshape(n_values, width).to(torch.float32).contiguous()
     sorted_rows, order = torch.sort(rows, stable=True)
-    on_gpu = param.device.type == "cuda" and not interpreted()
+    on_gpu = param.device.type == "cuda" and not INTERPRETED
     if block_d is None:
         block_d = min(1024, triton.next_power_of_2(width))
     _sparse_adagrad_momentum_kernel[(n_values,)](

@@ -2,11 +2,10 @@
 
 ``scores [B', C]`` hold row i's target in column i. The loss is the logq-corrected, max-subtracted
 softmax cross-entropy of the diagonal, ``sum_i -log(p_ii + 1e-24) / batch_size``, i.e. exactly
-:class:`recforge.losses.sampled.CrossEntropy`, which calls it. ``impl="pytorch"`` is the written-out
-reference below;
-``impl="triton"`` runs the row-wise kernels of :mod:`recforge.kernels.sampled_loss_triton` behind a
-``torch.autograd.Function``, so neither the corrected score matrix nor the softmax is kept for
-backward: only two float32 numbers per row.
+:class:`recforge.losses.sampled.CrossEntropy`, which calls it. ``kernel="pytorch"`` is the
+written-out reference below; ``kernel="triton"`` runs the row-wise kernels of
+:mod:`recforge.kernels.sampled_loss_triton` behind a ``torch.autograd.Function``, so neither the
+corrected score matrix nor the softmax is kept for backward: only two float32 numbers per row.
 
 :func:`sampled_bprmax` does the same for BPR-max (:class:`recforge.losses.sampled.BPRMax`), keeping
 five float32 statistics per row for its one-pass backward.
@@ -23,19 +22,15 @@ from torch import Tensor
 
 from torch.nn import functional as F
 
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
-    "IMPLS",
     "negatives_softmax",
     "sampled_bprmax",
     "sampled_bprmax_reference",
     "sampled_softmax_xe",
     "sampled_softmax_xe_reference",
 ]
-
-#: Implementations accepted by :func:`sampled_softmax_xe`.
-IMPLS: tuple[str, ...] = ("pytorch", "triton")
 
 TRITON = TritonTwin("recforge.kernels.sampled_loss_triton")
 
@@ -127,7 +122,7 @@ def sampled_softmax_xe(
     log_q: Tensor | None,
     logq: float,
     batch_size: int,
-    impl: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """Sampled softmax cross-entropy of the diagonal targets, differentiable w.r.t. ``scores``.
 
@@ -137,23 +132,23 @@ def sampled_softmax_xe(
             ``logq > 0`` (as in :class:`~recforge.losses.sampled.CrossEntropy`).
         logq: strength of the correction ``x_ij = scores_ij - logq * log_q_j``.
         batch_size: the *configured* batch size the row sum is divided by.
-        impl: one of :data:`IMPLS`. ``"triton"`` runs the fused kernels on CUDA tensors, or on CPU
-            tensors under ``TRITON_INTERPRET=1``, computing in float32 for fp32/bf16/fp16 scores;
-            otherwise it falls back to ``"pytorch"`` with one warning per process.
+        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernels on CUDA
+            tensors, or on CPU tensors under ``TRITON_INTERPRET=1``, computing in float32 for
+            fp32/bf16/fp16 scores; otherwise it falls back to ``"pytorch"`` with one warning per
+            process.
 
     Returns:
         The scalar loss ``sum_i -log(softmax(x)_ii + 1e-24) / batch_size`` in ``scores.dtype``.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
     logq = float(logq)
     _validate(scores, log_q, logq, batch_size)
-    if impl == "triton":
-        reason = TRITON.unusable_reason(scores)
-        if reason is None:
-            return _SampledSoftmaxXE.apply(scores, log_q if logq > 0.0 else None, logq, batch_size)
-        TRITON.warn_fallback("sampled_softmax_xe", reason, stacklevel=2)
-    return sampled_softmax_xe_reference(scores, log_q, logq, batch_size)
+    return TRITON.dispatch(
+        "sampled_softmax_xe", kernel, (scores,),
+        triton=lambda _module: _SampledSoftmaxXE.apply(
+            scores, log_q if logq > 0.0 else None, logq, batch_size
+        ),
+        reference=lambda: sampled_softmax_xe_reference(scores, log_q, logq, batch_size),
+    )
 
 
 # ---------------------------------------------------------------------------------------- BPR-max
@@ -196,7 +191,7 @@ def sampled_bprmax(
     bpreg: float,
     elu_param: float,
     batch_size: int,
-    impl: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
 ) -> Tensor:
     """BPR-max over the sampled columns, differentiable w.r.t. ``scores`` (spec §1.4).
 
@@ -206,15 +201,13 @@ def sampled_bprmax(
         bpreg: weight of the score regulariser ``sum_j s_ij r_ij^2``.
         elu_param: ELU alpha applied to the scores first; ``0`` keeps them linear.
         batch_size: the *configured* batch size the row sum is divided by.
-        impl: one of :data:`IMPLS`, with the same fallback as :func:`sampled_softmax_xe`.
+        kernel: ``"pytorch"`` or ``"triton"``, with the same fallback as :func:`sampled_softmax_xe`.
 
     Returns:
         The scalar loss ``sum_i [-log(sum_j s_ij sigmoid(r_ii - r_ij) + 1e-24)
         + bpreg sum_j s_ij r_ij^2] / batch_size`` in ``scores.dtype``; the softmax weights
         ``s_ij`` over the negatives are not detached.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
     bpreg, elu_param = float(bpreg), float(elu_param)
     _validate_scores(scores, batch_size)
     if elu_param < 0.0:
@@ -222,9 +215,8 @@ def sampled_bprmax(
     if scores.shape[1] < 2:
         # no negatives: the softmax over them is 0/0 (NaN in the reference too)
         raise ValueError(f"BPR-max needs C >= 2 columns, got shape {tuple(scores.shape)}")
-    if impl == "triton":
-        reason = TRITON.unusable_reason(scores)
-        if reason is None:
-            return _SampledBPRMax.apply(scores, bpreg, elu_param, batch_size)
-        TRITON.warn_fallback("sampled_bprmax", reason, stacklevel=2)
-    return sampled_bprmax_reference(scores, bpreg, elu_param, batch_size)
+    return TRITON.dispatch(
+        "sampled_bprmax", kernel, (scores,),
+        triton=lambda _module: _SampledBPRMax.apply(scores, bpreg, elu_param, batch_size),
+        reference=lambda: sampled_bprmax_reference(scores, bpreg, elu_param, batch_size),
+    )

@@ -19,11 +19,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recforge.kernels._interpret import interpreted
+
 __all__ = [
+    "INTERPRETED",
     "KERNEL_DTYPES",
     "bprmax_backward",
     "bprmax_forward",
-    "interpreted",
     "softmax_xe_backward",
     "softmax_xe_forward",
 ]
@@ -131,9 +133,7 @@ def _xe_backward_kernel(
         tl.store(g_ptr + g_off + cols, grad.to(g_ptr.dtype.element_ty), mask=col_mask)
 
 
-def interpreted() -> bool:
-    """Whether the kernels were defined under ``TRITON_INTERPRET=1`` (so CPU tensors work)."""
-    return not isinstance(_xe_forward_kernel, triton.runtime.JITFunction)
+INTERPRETED = interpreted(_xe_forward_kernel)
 
 
 def _block_c(scores: Tensor, block_c: int | None) -> int:
@@ -143,7 +143,7 @@ def _block_c(scores: Tensor, block_c: int | None) -> int:
     # The interpreter pays per op, not per element, but small tiles there exercise the column loop
     # and the ragged last tile in tests. On the GPU one tile of up to 2048 fp32 per row keeps the
     # typical C (batch + a few thousand samples) to one or two iterations per pass.
-    if scores.device.type != "cuda" or interpreted():
+    if scores.device.type != "cuda" or INTERPRETED:
         return 16
     return min(2048, max(16, triton.next_power_of_2(scores.shape[1])))
 

@@ -10,7 +10,7 @@ Each row may exclude a jagged list of items (a sequential recommender's filtered
 dropped inside the tiled pass, so an excluded item is compared with nothing and memory stays
 ``O(B * chunk_size)``.
 
-The code here is the PyTorch reference and the CPU path; ``impl="triton"`` selects the Triton twin
+The code here is the PyTorch reference and the CPU path; ``kernel="triton"`` selects the Triton twin
 in :mod:`recforge.kernels.target_rank_triton`, imported lazily so that this module needs only torch.
 """
 
@@ -20,12 +20,9 @@ import torch
 from torch import Tensor
 
 from recforge.kernels.jagged import jagged_positions
-from recforge.kernels.twin import TritonTwin
+from recforge.kernels.twin import KernelImpl, TritonTwin
 
-__all__ = ["IMPLS", "sorted_exclusions", "target_rank_counts", "target_rank_counts_reference"]
-
-#: Implementations accepted by :func:`target_rank_counts`.
-IMPLS: tuple[str, ...] = ("pytorch", "triton")
+__all__ = ["sorted_exclusions", "target_rank_counts", "target_rank_counts_reference"]
 
 TRITON = TritonTwin("recforge.kernels.target_rank_triton")
 
@@ -169,7 +166,7 @@ def target_rank_counts(
     item_bias: Tensor | None,
     targets: Tensor,
     chunk_size: int = 8192,
-    impl: str = "pytorch",
+    kernel: KernelImpl = "pytorch",
     *,
     exclude_items: Tensor | None = None,
     exclude_offsets: Tensor | None = None,
@@ -188,7 +185,7 @@ def target_rank_counts(
         targets: ``[B]`` integer item ids in ``[0, N)``.
         chunk_size: items scored per step; peak extra memory is ``O(B * chunk_size)``
             (the PyTorch path; the Triton kernel picks its own tiles).
-        impl: implementation, one of :data:`IMPLS`. ``"triton"`` runs the fused kernel on CUDA
+        kernel: ``"pytorch"`` or ``"triton"``. ``"triton"`` runs the fused kernel on CUDA
             tensors, or on CPU tensors under ``TRITON_INTERPRET=1``; otherwise (no Triton, CPU
             without the interpreter, float64 inputs) it falls back to ``"pytorch"`` with one
             warning per process.
@@ -203,24 +200,33 @@ def target_rank_counts(
         target itself* (so ``n_equal >= 1``). Items whose score is NaN fall in
         neither count, and so do a row's excluded items other than its target.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; allowed values: {', '.join(IMPLS)}")
     _validate(queries, item_weights, item_bias, targets, chunk_size)
     _validate_exclusions(
         exclude_items, exclude_offsets, queries.shape[0], item_weights.shape[0], queries.device
     )
+    return TRITON.dispatch(
+        "target_rank_counts", kernel,
+        [t for t in (queries, item_weights, item_bias) if t is not None],
+        triton=lambda module: module.target_rank_counts_triton(
+            queries, item_weights, item_bias, targets,
+            exclude_items=exclude_items, exclude_offsets=exclude_offsets,
+        ),
+        reference=lambda: _target_rank_counts_chunked(
+            queries, item_weights, item_bias, targets, chunk_size, exclude_items, exclude_offsets
+        ),
+    )
 
-    if impl == "triton":
-        tensors = [queries, item_weights] + ([item_bias] if item_bias is not None else [])
-        reason = TRITON.unusable_reason(*tensors)
-        if reason is None:
-            return TRITON.module().target_rank_counts_triton(
-                queries, item_weights, item_bias, targets,
-                exclude_items=exclude_items, exclude_offsets=exclude_offsets,
-            )  # fmt: skip
-        # past warn_fallback, this function and torch.no_grad's wrapper: the caller's line
-        TRITON.warn_fallback("target_rank_counts", reason, stacklevel=3)
 
+def _target_rank_counts_chunked(
+    queries: Tensor,
+    item_weights: Tensor,
+    item_bias: Tensor | None,
+    targets: Tensor,
+    chunk_size: int,
+    exclude_items: Tensor | None,
+    exclude_offsets: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """The PyTorch path of :func:`target_rank_counts` on validated inputs, chunk by chunk."""
     dtypes = [queries.dtype, item_weights.dtype]
     if item_bias is not None:
         dtypes.append(item_bias.dtype)

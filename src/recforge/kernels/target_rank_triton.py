@@ -21,9 +21,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recforge.kernels._interpret import interpreted
 from recforge.kernels.target_rank import sorted_exclusions
 
-__all__ = ["KERNEL_DTYPES", "interpreted", "target_rank_counts_triton"]
+__all__ = ["INTERPRETED", "KERNEL_DTYPES", "target_rank_counts_triton"]
 
 #: Input dtypes the kernel reads natively (accumulation is always float32).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -170,9 +171,7 @@ def _target_rank_kernel(
     tl.store(equal_ptr + out, n_equal, mask=row_mask)
 
 
-def interpreted() -> bool:
-    """Whether the kernel was defined under ``TRITON_INTERPRET=1`` (so CPU tensors work)."""
-    return not isinstance(_target_rank_kernel, triton.runtime.JITFunction)
+INTERPRETED = interpreted(_target_rank_kernel)
 
 
 def _block_sizes(n_rows: int, dim: int, on_gpu: bool, upcast: bool = False) -> tuple[int, int, int]:
@@ -225,7 +224,7 @@ def target_rank_counts_triton(
     if n_rows == 0:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, empty.clone()
-    on_gpu = device.type == "cuda" and not interpreted()
+    on_gpu = device.type == "cuda" and not INTERPRETED
     # Mixed or fp32 inputs are read as fp32; matching half types go to tl.dot as they are (exact
     # products, fp32 accumulation), except bf16 under the interpreter, whose dot multiplies bf16's
     # raw uint16 storage (Triton 3.x): upcasting gives the same products.

@@ -60,7 +60,7 @@ class CrossEntropy(SampledLoss):
     ) -> torch.Tensor:
         if self.logq > 0.0 and log_q is None:
             raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
-        return sampled_softmax_xe(scores, log_q, self.logq, batch_size, impl=self.kernel)
+        return sampled_softmax_xe(scores, log_q, self.logq, batch_size, kernel=self.kernel)
 
 
 class _ELUScored(SampledLoss):
@@ -94,7 +94,7 @@ class BPRMax(_ELUScored):
     def forward(
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return sampled_bprmax(scores, self.bpreg, self.elu_param, batch_size, impl=self.kernel)
+        return sampled_bprmax(scores, self.bpreg, self.elu_param, batch_size, kernel=self.kernel)
 
 
 class TOP1Max(_ELUScored):

@@ -19,6 +19,7 @@ interaction terms against the reference (tests/dlrm/test_dlrm_oracle.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +33,7 @@ from recforge.contracts import CTRModel
 from recforge.data.batches import SparseBags
 from recforge.errors import UserInputError
 from recforge.kernels.dot_interaction import dot_interaction, interaction_width
-from recforge.kernels.twin import KernelImpl
+from recforge.kernels.twin import KernelChoice, KernelImpl, check_kernel, kernel_of
 
 __all__ = [
     "DLRM",
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 INTERACTIONS = ("dot", "cat", "dcnv2")
+
+log = logging.getLogger(__name__)
 
 
 def _reference_linear_init_(layer: nn.Linear) -> None:
@@ -248,7 +251,7 @@ class DotInteraction(nn.Module):
         self.out_features = interaction_width(embedding_dim, n_sparse + 1, self.itself)
 
     def forward(self, dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        return dot_interaction(dense, embeddings, self.itself, impl=self.kernel)
+        return dot_interaction(dense, embeddings, self.itself, kernel=self.kernel)
 
     def extra_repr(self) -> str:
         return f"itself={self.itself}, kernel={self.kernel!r}, out_features={self.out_features}"
@@ -381,6 +384,26 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+def _dot_kernel(choice: KernelChoice | None, deprecated: KernelImpl | None) -> KernelImpl:
+    """The dot interaction's kernel from ``model.dot_interaction`` or, while it is still read,
+    the old ``model.interaction_kernel`` (which wins over the default; a clash is refused)."""
+    kernel = kernel_of("model.dot_interaction", choice)
+    if deprecated is None:
+        return kernel
+    deprecated = check_kernel(deprecated, "model.interaction_kernel")
+    # a log line, not warnings.warn: a config key has no source line worth printing beside it
+    log.warning(
+        "model.interaction_kernel is deprecated and will be removed in the next release; use "
+        "model.dot_interaction.kernel=%s", deprecated,
+    )
+    if kernel != "pytorch" and kernel != deprecated:
+        raise UserInputError(
+            f"model.interaction_kernel={deprecated} contradicts model.dot_interaction.kernel={kernel}: "
+            "set model.dot_interaction.kernel alone"
+        )
+    return deprecated
+
+
 class DLRM(nn.Module):
     """DLRM: ``forward(dense [B, n_dense] float32, sparse [B, n_sparse] int64) -> [B]`` click logits.
 
@@ -408,12 +431,14 @@ class DLRM(nn.Module):
         interaction: ``dot`` (the reference's pairwise dots), ``cat`` (concatenation) or
             ``dcnv2`` (low-rank DCN-v2 cross network).
         interaction_itself: ``dot`` only: keep the self-dots too (``F(F+1)/2`` values).
-        interaction_kernel: ``dot`` only: ``pytorch`` or ``triton`` (fused kernel; falls back to
-            PyTorch with one warning where Triton cannot run).
+        dot_interaction: ``dot`` only: ``{"kernel": "pytorch" | "triton"}`` (``triton``: the fused
+            kernel; falls back to PyTorch with one warning where Triton cannot run).
         dcn_layers, dcn_rank: ``dcnv2`` only: cross layers and their rank.
         sparse_gradients: sparse COO gradients for the tables (needs a sparse-capable optimizer).
         compile: run the dense computation (both MLPs and the interaction) through
             ``torch.compile``; the table lookup stays eager (sparse gradients).
+        interaction_kernel: the deprecated spelling of ``dot_interaction["kernel"]``, read (with a
+            warning) for one more release; None when unset.
 
     Init as the reference: every Linear weight N(0, sqrt(2/(fan_in+fan_out))), bias
     N(0, sqrt(1/fan_out)); table rows U(±sqrt(1/rows)); cross layers as torchrec.
@@ -436,11 +461,12 @@ class DLRM(nn.Module):
         over_arch_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         interaction: Literal["dot", "cat", "dcnv2"] = "dot",
         interaction_itself: bool = False,
-        interaction_kernel: KernelImpl = "pytorch",
+        dot_interaction: KernelChoice | None = None,
         dcn_layers: Annotated[int, Range(ge=1)] = 3,
         dcn_rank: Annotated[int, Range(ge=1)] = 512,
         sparse_gradients: bool = True,
         compile: bool = False,
+        interaction_kernel: KernelImpl | None = None,
     ) -> None:
         super().__init__()
         cards = _sizes("cardinalities", cardinalities, allow_empty=False)
@@ -456,18 +482,15 @@ class DLRM(nn.Module):
             raise UserInputError(
                 f"model.interaction must be one of {', '.join(INTERACTIONS)}, got {interaction!r}"
             )
-        if interaction_kernel not in ("pytorch", "triton"):
-            raise UserInputError(
-                f"model.interaction_kernel must be 'pytorch' or 'triton', got {interaction_kernel!r}"
-            )
+        kernel = _dot_kernel(dot_interaction, interaction_kernel)
         if interaction != "dot" and interaction_itself:
             raise UserInputError(
                 "model.interaction_itself=true applies to interaction=dot only, got "
                 f"interaction={interaction}"
             )
-        if interaction != "dot" and interaction_kernel != "pytorch":
+        if interaction != "dot" and kernel != "pytorch":
             raise UserInputError(
-                f"model.interaction_kernel={interaction_kernel} applies to interaction=dot only, got "
+                f"model.dot_interaction.kernel={kernel} applies to interaction=dot only, got "
                 f"interaction={interaction} (which has no kernel switch)"
             )
         if interaction == "dcnv2":
@@ -480,7 +503,7 @@ class DLRM(nn.Module):
         self.sparse_arch = SparseArch(cards, embedding_dim, sparse_gradients=bool(sparse_gradients))
         if interaction == "dot":
             self.interaction: nn.Module = DotInteraction(
-                embedding_dim, len(cards), interaction_itself, interaction_kernel
+                embedding_dim, len(cards), interaction_itself, kernel
             )
         elif interaction == "cat":
             self.interaction = CatInteraction(embedding_dim, len(cards))

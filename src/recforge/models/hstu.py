@@ -32,7 +32,7 @@ from recforge.config_values import Range
 from recforge.contracts import TimedSequenceModel
 from recforge.kernels.hstu_attention import hstu_attention
 from recforge.kernels.hstu_output import hstu_output
-from recforge.kernels.twin import KernelChoice, KernelImpl
+from recforge.kernels.twin import KernelChoice, KernelImpl, kernel_of
 from recforge.models.item_sequence import ItemSequenceEncoder
 
 # The reference's epsilon for both LayerNorms of a layer (SequentialTransductionUnitJagged's).
@@ -107,18 +107,6 @@ class HSTULayer(nn.Module):
         )
 
 
-def _kernel_of(part: str, choice: KernelChoice | None) -> KernelImpl:
-    """``{kernel: triton}`` -> ``"triton"`` (PyTorch when unset)."""
-    choice = dict(choice or {})
-    unknown = set(choice) - {"kernel"}
-    if unknown:
-        raise ValueError(f"{part} takes only 'kernel', got {sorted(unknown)}")
-    kernel = choice.get("kernel", "pytorch")
-    if kernel not in ("pytorch", "triton"):
-        raise ValueError(f"{part}.kernel must be 'pytorch' or 'triton', got {kernel!r}")
-    return kernel
-
-
 class HSTU(ItemSequenceEncoder):
     """HSTU encoder over jagged, timed histories, with the item table it shares with the loss.
 
@@ -165,8 +153,8 @@ class HSTU(ItemSequenceEncoder):
         attention: KernelChoice | None = None,
         output: KernelChoice | None = None,
     ) -> None:
-        attention_kernel = _kernel_of("attention", attention)
-        output_kernel = _kernel_of("output", output)
+        attention_kernel = kernel_of("model.attention", attention)
+        output_kernel = kernel_of("model.output", output)
         width = int(max_sequence_length) + int(extra_positions)
         super().__init__(n_items, embedding_dim, width, max_sequence_length, dropout_rate, l2_norm_eps)
         self.width = width

@@ -13,8 +13,8 @@ from typing import Annotated
 import torch
 
 from recforge.config_values import Range
-from recforge.kernels.rowwise_adagrad import IMPLS, sparse_adagrad_momentum_
-from recforge.kernels.twin import KernelImpl
+from recforge.kernels.rowwise_adagrad import sparse_adagrad_momentum_
+from recforge.kernels.twin import KernelImpl, check_kernel
 
 
 class IndexedAdagradM(torch.optim.Optimizer):
@@ -36,9 +36,7 @@ class IndexedAdagradM(torch.optim.Optimizer):
         eps: Annotated[float, Range(gt=0)] = 1e-6,
         kernel: KernelImpl = "pytorch",
     ) -> None:
-        if kernel not in IMPLS:
-            raise ValueError(f"kernel must be one of {IMPLS}, got {kernel!r}")
-        self.kernel = kernel
+        self.kernel = check_kernel(kernel, "optimizer.kernel")
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         if not 0.0 <= momentum < 1.0:
@@ -68,7 +66,7 @@ class IndexedAdagradM(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     sparse_adagrad_momentum_(
                         p, state["sum"], state.get("velocity"), p.grad,
-                        lr=lr, momentum=mu, eps=eps, impl=self.kernel,
+                        lr=lr, momentum=mu, eps=eps, kernel=self.kernel,
                     )
                 else:
                     self._dense_step(p, p.grad, state, lr, mu, eps)
