@@ -1,7 +1,14 @@
-"""How src/train.py and src/eval.py end: a user's mistake is one line, anything else a traceback."""
+"""How the commands end: a user's mistake is one line, anything else a traceback.
+
+:func:`one_line_errors` ends src/train.py and src/eval.py; :func:`run_data_command` runs the work
+of every ``python -m recforge.data.<family>.preprocess|prepare``.
+"""
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -21,3 +28,15 @@ def one_line_errors(run: Callable[[], T]) -> T:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise SystemExit(f"recforge: {error}") from None
+
+
+def run_data_command(run: Callable[[], T]) -> T:
+    """Run a data preparation command's work: progress logged at INFO to stderr, a user error as
+    one ``recforge:`` line (:func:`one_line_errors`).
+
+    A plain kill (SIGTERM) would end the process without unwinding, leaving a half-built staging
+    directory behind; as an exit, the staging directory is removed on the way out.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return one_line_errors(run)

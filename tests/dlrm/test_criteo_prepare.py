@@ -560,7 +560,7 @@ def test_metadata_records_the_conversion(tmp_path):
     path = write_lines(tmp_path / "m.txt", synthetic_lines(21))
     meta = read_metadata(prepare_criteo(path, tmp_path / "p", categorical="vocab", min_frequency=2, chunk_rows=5))
     (source,) = meta["source"]["inputs"]
-    assert source["path"] == str(path.resolve()) and source["bytes"] == path.stat().st_size
+    assert source["path"] == str(path.resolve()) and source["size"] == path.stat().st_size
     assert source["layout"] == "tsv"
     assert meta["categorical"]["mode"] == "vocab" and meta["categorical"]["min_frequency"] == 2
     assert len(meta["categorical"]["distinct_values"]) == 26 and "index_layout" in meta["categorical"]

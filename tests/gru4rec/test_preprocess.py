@@ -691,8 +691,8 @@ def test_cli_prints_paths_and_counts(tmp_path, capsys):
     ]
     test_line = ["test", str(out / "test.txt"), "events=4", "sessions=2", "items=2"]
     assert printed[1].split() == test_line
-    assert pp.main(["rsc15", "--raw", str(tmp_path / "nope.dat"), "--out", str(out)]) == 2
-    assert "nope.dat does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^recforge: .*nope\.dat does not exist"):
+        pp.main(["rsc15", "--raw", str(tmp_path / "nope.dat"), "--out", str(out)])
 
 
 def test_module_runs_as_a_script(tmp_path):

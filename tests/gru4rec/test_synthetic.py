@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -206,17 +207,34 @@ def test_write_dataset_defers_to_a_concurrent_writer(
     import recforge.data.synthetic as synthetic
 
     real_generate = synthetic.generate_sessions
+    generating, release = threading.Event(), threading.Event()
+    generated_by = []
 
-    def generate_while_another_process_finishes(cfg: SyntheticSessionsConfig) -> pd.DataFrame:
-        # Simulate a rival that publishes the complete cache while we are still generating.
-        monkeypatch.setattr(synthetic, "generate_sessions", real_generate)
-        rival = write_synthetic_dataset(cfg, tmp_path)
-        for p in rival.values():
-            os.utime(p, ns=(1, 1))
+    def generate_slowly(cfg: SyntheticSessionsConfig) -> pd.DataFrame:
+        generated_by.append(threading.current_thread().name)
+        generating.set()
+        assert release.wait(60)
         return real_generate(cfg)
 
-    monkeypatch.setattr(synthetic, "generate_sessions", generate_while_another_process_finishes)
-    paths = write_synthetic_dataset(SMALL, tmp_path)
-    # The rival's files are kept untouched and our staging directory is cleaned up.
-    assert all(p.stat().st_mtime_ns == 1 for p in paths.values())
+    monkeypatch.setattr(synthetic, "generate_sessions", generate_slowly)
+    results = {}
+
+    def call() -> None:
+        results[threading.current_thread().name] = write_synthetic_dataset(SMALL, tmp_path)
+
+    rival = threading.Thread(target=call, name="rival")
+    rival.start()
+    assert generating.wait(60)
+    # While the rival generates, a second caller must wait for it rather than generate too.
+    ours = threading.Thread(target=call, name="ours")
+    ours.start()
+    ours.join(0.5)
+    assert ours.is_alive()
+    release.set()
+    rival.join(60)
+    ours.join(60)
+    assert generated_by == ["rival"]
+    assert results["ours"] == results["rival"]
+    assert all(p.is_file() for p in results["ours"].values())
+    # No staging directory or lock file is left behind.
     assert [p.name for p in tmp_path.iterdir()] == [SMALL.cache_key()]
