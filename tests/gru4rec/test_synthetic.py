@@ -238,3 +238,24 @@ def test_write_dataset_defers_to_a_concurrent_writer(
     assert all(p.is_file() for p in results["ours"].values())
     # No staging directory or lock file is left behind.
     assert [p.name for p in tmp_path.iterdir()] == [SMALL.cache_key()]
+
+
+def test_a_cache_written_before_markers_is_regenerated_with_one_line(tmp_path: Path, caplog) -> None:
+    # The layout of a synthetic cache before prepared_dir: the four files and config.json, no
+    # done.json (completeness was the four files being there).
+    import json
+
+    target = tmp_path / SMALL.cache_key()
+    target.mkdir()
+    for filename in ("train_full.txt", "test.txt", "train_tr.txt", "train_valid.txt"):
+        (target / filename).write_text("SessionId\tItemId\tTime\n1\ti1\t1.0\n")
+    (target / "config.json").write_text(json.dumps(dataclasses.asdict(SMALL), indent=2) + "\n")
+    with caplog.at_level("INFO", logger="recforge"):
+        paths = write_synthetic_dataset(SMALL, tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rebuilding {target}: no readable done.json (the build did not finish, or none was made here)"
+    ]
+    train_full, test = split_by_time(generate_sessions(SMALL), SMALL.test_days)
+    pd.testing.assert_frame_equal(read_session_file(paths["test"]), test)
+    pd.testing.assert_frame_equal(read_session_file(paths["train_full"]), train_full)
+    assert json.loads((target / "done.json").read_text())["generator"]["seed"] == SMALL.seed

@@ -450,3 +450,34 @@ def test_module_runs_as_a_script(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "users=2" in result.stdout
     assert np.array_equal(load_prepared(tmp_path / "out").offsets, [0, 2, 5])
+
+
+def test_a_directory_prepared_before_the_toolkit_is_read_as_it_is(tmp_path, monkeypatch, caplog):
+    import recforge.data.sequences.preprocess as pp
+
+    raw = write(tmp_path / "ratings.dat", ML1M_RATINGS)
+    out = prepare("ml-1m", raw, tmp_path / "out")
+    expected = files_content(out)
+    st = raw.stat()
+    # done.json exactly as sequences/prepared.py wrote it before prepared_dir existed
+    old_marker = {
+        "created": "2026-11-30T08:00:00+00:00",
+        "dataset": "ml-1m",
+        "files": {"histories": "histories.parquet", "items": "items.parquet"},
+        "format": "recforge-histories",
+        "inputs": [{"mtime_ns": st.st_mtime_ns, "path": str(raw.resolve()), "size": st.st_size}],
+        "params": {"min_interactions": 0},
+        "stats": {"events": 5, "items": 4, "rated_items": 4, "users": 2},
+        "version": 1,
+    }
+    (out / MARKER_FILE).write_text(json.dumps(old_marker, indent=2, sort_keys=True) + "\n")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an up-to-date directory was written again")
+
+    monkeypatch.setattr(pp, "write_prepared", refuse)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="recforge"):
+        assert prepare("ml-1m", raw, out) == out
+    assert [r.getMessage() for r in caplog.records] == [f"{out} is up to date"]
+    assert files_content(out) == expected and read_marker(out) == old_marker

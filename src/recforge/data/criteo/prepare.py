@@ -428,6 +428,7 @@ def ensure_prepared(
             os.rename(legacy, target)
             log.info("criteo cache %s: renamed to %s (the key now spells the input sizes 'size')",
                      legacy, target.name)
+            return target
         except OSError:
             pass  # another process renamed it first
 
