@@ -5,11 +5,12 @@ of every ``python -m recforge.data.<family>.preprocess|prepare``.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from recforge.errors import UserInputError
@@ -40,3 +41,17 @@ def run_data_command(run: Callable[[], T]) -> T:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return one_line_errors(run)
+
+
+def data_command_parser(
+    module: str, description: str, raw_help: str, datasets: Sequence[str] | None = None
+) -> argparse.ArgumentParser:
+    """The arguments every data preparation command shares: the dataset (when it has a choice of
+    them), ``--raw`` files, the ``--out`` directory and ``--force``."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    if datasets is not None:
+        parser.add_argument("dataset", choices=sorted(datasets))
+    parser.add_argument("--raw", nargs="+", required=True, help=raw_help)
+    parser.add_argument("--out", required=True, help="the prepared directory to write")
+    parser.add_argument("--force", action="store_true", help="prepare again even if --out is up to date")
+    return parser

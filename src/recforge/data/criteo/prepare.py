@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from recforge.cli import run_data_command
+from recforge.cli import data_command_parser, run_data_command
 from recforge.data.criteo.prepared import (
     METADATA,
     SPLITS,
@@ -450,16 +450,14 @@ def _why_incomplete(prepared_dir: Path) -> str | None:
 
 # ---------------------------------------------------------------------------- command line
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m recforge.data.criteo.prepare",
-        description="Convert raw Criteo click logs (Kaggle train.txt / dac_sample.txt, Terabyte "
-        "day_N, plain or .gz; or the Kaggle/BARS CSV layout with a header) into the prepared "
-        "parquet format, streaming in bounded memory.",
+    parser = data_command_parser(
+        "recforge.data.criteo.prepare",
+        "Convert raw Criteo click logs (Kaggle train.txt / dac_sample.txt, Terabyte day_N, plain or "
+        "gzip; or the Kaggle/BARS CSV layout with a header) into the prepared parquet format, "
+        "streaming in bounded memory.",
+        "raw file(s), read in order; --split days: the day files (or their directory); --split files: "
+        "the training file(s)",
     )
-    parser.add_argument("--raw", nargs="+", required=True,
-                        help="raw file(s), read in order; --split days: the day files (or their directory); "
-                        "--split files: the training file(s)")
-    parser.add_argument("--out", required=True, help="the prepared directory to write")
     parser.add_argument("--layout", choices=LAYOUTS, default="auto",
                         help="tsv: label, I1..I13, C1..C26 tab-separated, no header; csv: a header naming "
                         "Label, I1..I13, C1..C26 (Id ignored); auto: from the first line (default)")
@@ -483,7 +481,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-malformed-fraction", type=float, default=DEFAULT_MAX_MALFORMED_FRACTION,
                         help=f"skip: fail when more than this fraction of lines is malformed "
                         f"(default {DEFAULT_MAX_MALFORMED_FRACTION:g})")
-    parser.add_argument("--force", action="store_true", help="convert again even if --out is up to date")
     return parser
 
 

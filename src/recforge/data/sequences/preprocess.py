@@ -18,7 +18,6 @@ chunks and ids are coded per chunk, so memory stays a few compact arrays per eve
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import logging
 import os
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from recforge.cli import run_data_command
+from recforge.cli import data_command_parser, run_data_command
 from recforge.data.delimited import Col, DelimitedFileError, Table, iter_chunks
 from recforge.data.prepared_dir import as_json, build_once, fingerprint, read_marker
 from recforge.data.sequences.prepared import Histories, why_stale, write_prepared
@@ -400,24 +399,19 @@ def _resolve_raw_paths(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the process exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m recforge.data.sequences.preprocess",
-        description="Preprocess raw ratings into per-user histories (histories.parquet, "
-        "items.parquet, done.json) as spec §2 (HSTU) describes.",
-    )
-    parser.add_argument("dataset", choices=sorted(DATASETS))
-    parser.add_argument(
-        "--raw", nargs="+", required=True,
-        help="a directory holding the public files (ratings.dat + movies.dat, ratings.csv + "
+    parser = data_command_parser(
+        "recforge.data.sequences.preprocess",
+        "Preprocess raw ratings into per-user histories (histories.parquet, items.parquet, "
+        "done.json) as spec §2 (HSTU) describes.",
+        "a directory holding the public files (ratings.dat + movies.dat, ratings.csv + "
         "movies.csv, ratings_Books.csv), or the ratings file then the optional movies file",
+        DATASETS,
     )
-    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--min-interactions", type=int,
                         help="keep items and users with at least this many ratings (Books: 5)")
     parser.add_argument("--columns",
                         help="amzn-books: the file's column order, e.g. item,user,rating,timestamp")
     parser.add_argument("--chunksize", type=int, default=_DEFAULT_CHUNKSIZE, help="rows per chunk")
-    parser.add_argument("--force", action="store_true", help="redo even if up to date")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {}
     if args.min_interactions is not None:

@@ -19,7 +19,6 @@ The steps live in :mod:`recforge.data.sessions.preprocessing` (re-exported here)
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 
 import pandas as pd
 
-from recforge.cli import run_data_command
+from recforge.cli import data_command_parser, run_data_command
 from recforge.data.prepared_dir import MARKER as MARKER_FILE
 from recforge.data.prepared_dir import (
     StagedDir,
@@ -249,24 +248,19 @@ def _stats(frame: pd.DataFrame) -> dict[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the process exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m recforge.data.sessions.preprocess",
-        description="Preprocess a raw public session dataset into the GRU4Rec text format "
+    parser = data_command_parser(
+        "recforge.data.sessions.preprocess",
+        "Preprocess a raw public session dataset into the GRU4Rec text format "
         "(train_full, test, train_tr, train_valid) as spec §1.9 describes.",
-    )
-    parser.add_argument("dataset", choices=sorted(DATASETS))
-    parser.add_argument(
-        "--raw", nargs="+", required=True,
-        help="raw file(s) in order (yoochoose: clicks then test; rees46: months in order), "
+        "raw file(s) in order (yoochoose: clicks then test; rees46: months in order), "
         "or a directory holding them under their public names",
+        DATASETS,
     )
-    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--test-days", type=float, help="test period in days")
     parser.add_argument("--min-item-support", type=int, help="minimum events per item (5)")
     parser.add_argument("--tsplit", type=float, help="split time, in the data's time unit")
     parser.add_argument("--session-gap-seconds", type=float, help="inactivity gap (3600)")
     parser.add_argument("--chunksize", type=int, default=_DEFAULT_CHUNKSIZE, help="rows per chunk")
-    parser.add_argument("--force", action="store_true", help="redo even if up to date")
     args = parser.parse_args(argv)
     given = {
         "test_days": args.test_days,
