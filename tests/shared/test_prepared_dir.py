@@ -107,7 +107,7 @@ def test_why_not_current_names_the_reason(tmp_path):
     (tmp_path / MARKER).write_text(json.dumps({"other": 1}))
     assert current(tmp_path) == "its done.json has no 'params' entry (written by an older version)"
     (tmp_path / MARKER).write_text(json.dumps({"params": {"k": 2}}))
-    assert current(tmp_path) == "its done.json records another params than this run's"
+    assert current(tmp_path) == "its done.json records a different 'params' than this run"
     (tmp_path / MARKER).write_text(json.dumps({"params": {"k": 1}}))
     assert current(tmp_path) == "data.txt is missing"
     (tmp_path / "data.txt").write_text("x")
@@ -129,7 +129,7 @@ def test_built_once_then_reused_then_rebuilt_with_one_line(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="recforge.data.prepared_dir"):
         build_once(target, Builder("newer"), current)
     lines = [r.getMessage() for r in caplog.records if r.name == "recforge.data.prepared_dir"]
-    assert lines == [f"rebuilding {target}: its done.json records another params than this run's"]
+    assert lines == [f"rebuilding {target}: its done.json records a different 'params' than this run"]
     assert (target / "parts" / "p0").read_text() == "newer" and read_marker(target) == IDENTITY
     assert (target / "notes.txt").read_text() == "mine"  # files of others are left alone
     assert names(tmp_path) == ["prepared"]
@@ -217,3 +217,12 @@ def test_gzip_is_told_by_its_magic_bytes(tmp_path):
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     assert not is_gzip(empty)
+
+
+def test_as_paths_takes_one_path_several_or_none(tmp_path):
+    from recforge.data.prepared_dir import as_paths
+
+    assert as_paths(None) == []
+    assert as_paths(str(tmp_path)) == [tmp_path]
+    assert as_paths(tmp_path / "a") == [tmp_path / "a"]
+    assert as_paths(["a", tmp_path / "b"]) == [Path("a"), tmp_path / "b"]

@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ __all__ = [
     "MARKER",
     "StagedDir",
     "as_json",
+    "as_paths",
     "build_once",
     "cache_key",
     "fingerprint",
@@ -47,6 +48,15 @@ log = logging.getLogger(__name__)
 MARKER = "done.json"
 
 PathArg = str | os.PathLike[str]
+
+
+def as_paths(value: PathArg | Sequence[PathArg] | None) -> list[Path]:
+    """The raw input as a list of paths: one path, several, or none (None)."""
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [Path(value)]
+    return [Path(v) for v in value]
 
 
 def fingerprint(path: PathArg) -> dict[str, Any]:
@@ -93,7 +103,7 @@ def why_not_current(
         if key not in found:
             return f"its {marker} has no {key!r} entry (written by an older version)"
         if found[key] != value:
-            return f"its {marker} records another {key} than this run's"
+            return f"its {marker} records a different {key!r} than this run"
     for name in files:
         if not (directory / name).is_file():
             return f"{name} is missing"

@@ -80,7 +80,7 @@ from recforge.data.criteo.transform import (
     check_min_frequency,
     dense_log1p,
 )
-from recforge.data.prepared_dir import build_once, cache_key, fingerprint
+from recforge.data.prepared_dir import as_paths, build_once, cache_key, fingerprint
 from recforge.errors import UserInputError
 
 __all__ = ["CONVERTER_VERSION", "DEFAULT_CHUNK_ROWS", "ensure_prepared", "main", "prepare_criteo", "prepared_key"]
@@ -103,14 +103,6 @@ class _Source:
     path: Path
     layout: Layout
     role: int | None  # the split of every row ("files"), or None: the plan decides
-
-
-def _paths(value: PathArg | Sequence[PathArg] | None) -> list[Path]:
-    if value is None:
-        return []
-    if isinstance(value, (str, os.PathLike)):
-        return [Path(value)]
-    return [Path(v) for v in value]
 
 
 def _day_files(paths: list[Path]) -> list[Path]:
@@ -291,7 +283,7 @@ def prepare_criteo(
     params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
                      max_malformed_fraction, chunk_rows)
     out_dir = Path(out_dir)
-    sources = _sources(_paths(raw), _paths(valid), _paths(test), split, layout)
+    sources = _sources(as_paths(raw), as_paths(valid), as_paths(test), split, layout)
     _check_out_dir(out_dir, sources)
     inputs = _recorded_inputs(sources)
 
@@ -384,7 +376,7 @@ def _keys(raw, valid, test, params: dict[str, Any]) -> tuple[str, str]:
     """(the key, the key as versions before the one fingerprint computed it: the size spelt
     ``bytes``), so that caches converted before are found under their old name."""
     inputs = {}
-    for role, paths in (("raw", _paths(raw)), ("valid", _paths(valid)), ("test", _paths(test))):
+    for role, paths in (("raw", as_paths(raw)), ("valid", as_paths(valid)), ("test", as_paths(test))):
         if params["split"] == "days" and role == "raw":
             paths = _day_files(paths)
         for path in paths:
@@ -433,7 +425,7 @@ def ensure_prepared(
             pass  # another process renamed it first
 
     def build(target: Path) -> Path:
-        sources = _sources(_paths(raw), _paths(valid), _paths(test), split, layout)
+        sources = _sources(as_paths(raw), as_paths(valid), as_paths(test), split, layout)
         log.info("converting %s into %s", [str(s.path) for s in sources], target)
         return _convert(sources, params, target, chunk_rows)
 

@@ -32,7 +32,13 @@ import pandas as pd
 
 from recforge.cli import data_command_parser, run_data_command
 from recforge.data.delimited import Col, DelimitedFileError, Table, iter_chunks
-from recforge.data.prepared_dir import as_json, build_once, fingerprint, read_marker
+from recforge.data.prepared_dir import (
+    as_json,
+    as_paths,
+    build_once,
+    fingerprint,
+    read_marker,
+)
 from recforge.data.sequences.prepared import Histories, why_stale, write_prepared
 from recforge.errors import UserInputError
 
@@ -363,9 +369,7 @@ def _check_params(dataset: str, params: dict[str, Any]) -> None:
 def _resolve_raw_paths(
     spec: RatingsSpec, raw_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 ) -> tuple[Path, Path | None]:
-    if isinstance(raw_paths, (str, os.PathLike)):
-        raw_paths = [raw_paths]
-    paths = [Path(p) for p in raw_paths]
+    paths = as_paths(raw_paths)
     if len(paths) == 1 and paths[0].is_dir():
         folder = paths[0]
         ratings = next((folder / n for n in spec.ratings_files if (folder / n).is_file()), None)

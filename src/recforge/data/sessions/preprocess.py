@@ -36,6 +36,7 @@ from recforge.data.prepared_dir import MARKER as MARKER_FILE
 from recforge.data.prepared_dir import (
     StagedDir,
     as_json,
+    as_paths,
     build_once,
     fingerprint,
     read_marker,
@@ -212,9 +213,7 @@ def _spec(dataset: str) -> DatasetSpec:
 def _resolve_raw_paths(
     spec: DatasetSpec, raw_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 ) -> list[Path]:
-    if isinstance(raw_paths, (str, os.PathLike)):
-        raw_paths = [raw_paths]
-    paths = [Path(p) for p in raw_paths]
+    paths = as_paths(raw_paths)
     if len(paths) == 1 and paths[0].is_dir():
         folder = paths[0]
         for names in (spec.raw_files, *spec.alternative_raw_files):
