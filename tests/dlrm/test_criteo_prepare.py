@@ -691,3 +691,12 @@ def test_an_out_dir_converted_before_the_toolkit_is_converted_again_with_one_lin
         f"rebuilding {out}: its metadata.json records other inputs or settings than this run's"]
     assert read_metadata(out)["source"]["inputs"][0]["size"] == path.stat().st_size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.txt", "out"]
+
+
+def test_an_out_dir_of_the_synthetic_generator_is_converted_over(tmp_path):
+    from recforge.data.criteo.synthetic import SyntheticCriteoConfig, write_synthetic_criteo
+
+    path = write_lines(tmp_path / "e.txt", synthetic_lines(30))
+    out = write_synthetic_criteo(SyntheticCriteoConfig(n_rows=200), tmp_path / "out")
+    assert prepare_criteo(path, out, max_ind_range=9) == out
+    assert read_metadata(out)["cardinalities"] == [10] * 26

@@ -292,7 +292,8 @@ def prepare_criteo(
             meta = read_metadata(directory)
         except PreparedDataError as error:
             return str(error)
-        if (meta["source"].get("inputs"), meta["conversion"].get("params")) != (inputs, params):
+        recorded = (meta.get("source", {}).get("inputs"), meta.get("conversion", {}).get("params"))
+        if recorded != (inputs, params):  # the synthetic generator's directories record neither
             return f"its {METADATA} records other inputs or settings than this run's"
         return None
 
