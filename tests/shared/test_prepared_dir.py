@@ -226,3 +226,11 @@ def test_as_paths_takes_one_path_several_or_none(tmp_path):
     assert as_paths(str(tmp_path)) == [tmp_path]
     assert as_paths(tmp_path / "a") == [tmp_path / "a"]
     assert as_paths(["a", tmp_path / "b"]) == [Path("a"), tmp_path / "b"]
+
+
+def test_parameters_override_defaults_and_refuse_unknown_names():
+    from recforge.data.prepared_dir import parameters
+
+    assert parameters("ml-1m", {"k": 0, "cols": ("a", "b")}, {"k": 5}) == {"k": 5, "cols": ["a", "b"]}
+    with pytest.raises(UserInputError, match=r"^ml-1m: unknown parameter\(s\) \['kk'\]; it accepts \['cols', 'k'\]$"):
+        parameters("ml-1m", {"k": 0, "cols": ()}, {"kk": 1})

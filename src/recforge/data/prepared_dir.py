@@ -36,6 +36,7 @@ __all__ = [
     "StagedDir",
     "as_json",
     "as_paths",
+    "parameters",
     "build_once",
     "cache_key",
     "fingerprint",
@@ -70,6 +71,15 @@ def as_json(value: Any) -> Any:
     """``value`` as it reads back from a marker (tuples become lists, keys strings), so that what a
     run computes compares equal to what an earlier run recorded."""
     return json.loads(json.dumps(value, sort_keys=True))
+
+
+def parameters(what: str, defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` with ``overrides`` applied, as a marker records them (:func:`as_json`); an
+    override that names no default is a one-line error naming ``what`` takes which."""
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise UserInputError(f"{what}: unknown parameter(s) {unknown}; it accepts {sorted(defaults)}")
+    return as_json({**defaults, **overrides})
 
 
 def cache_key(identity: Any, length: int = 12) -> str:

@@ -33,10 +33,10 @@ import pandas as pd
 from recforge.cli import data_command_parser, run_data_command
 from recforge.data.delimited import Col, DelimitedFileError, Table, iter_chunks
 from recforge.data.prepared_dir import (
-    as_json,
     as_paths,
     build_once,
     fingerprint,
+    parameters,
     read_marker,
 )
 from recforge.data.sequences.prepared import Histories, why_stale, write_prepared
@@ -312,12 +312,7 @@ def prepare(
     files, ``UserInputError`` for bad arguments.
     """
     spec = _spec(dataset)
-    unknown = sorted(set(overrides) - set(spec.defaults))
-    if unknown:
-        raise UserInputError(
-            f"{dataset}: unknown parameter(s) {unknown}; it accepts {sorted(spec.defaults)}"
-        )
-    params = as_json({**spec.defaults, **overrides})
+    params = parameters(dataset, spec.defaults, overrides)
     _check_params(dataset, params)
     if chunksize < 1:
         raise UserInputError(f"chunksize must be positive, got {chunksize}")

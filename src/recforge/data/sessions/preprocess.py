@@ -35,10 +35,10 @@ from recforge.cli import data_command_parser, run_data_command
 from recforge.data.prepared_dir import MARKER as MARKER_FILE
 from recforge.data.prepared_dir import (
     StagedDir,
-    as_json,
     as_paths,
     build_once,
     fingerprint,
+    parameters,
     read_marker,
     why_not_current,
 )
@@ -161,12 +161,7 @@ def prepare(
     (:func:`recforge.data.prepared_dir.build_once`).
     """
     spec = _spec(dataset)
-    unknown = sorted(set(overrides) - set(spec.defaults))
-    if unknown:
-        raise UserInputError(
-            f"{dataset}: unknown parameter(s) {unknown}; it accepts {sorted(spec.defaults)}"
-        )
-    params = as_json({**spec.defaults, **overrides})
+    params = parameters(dataset, spec.defaults, overrides)
     if chunksize < 1:
         raise UserInputError(f"chunksize must be positive, got {chunksize}")
     paths = _resolve_raw_paths(spec, raw_paths)
