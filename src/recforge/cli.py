@@ -1,8 +1,16 @@
-"""How src/train.py and src/eval.py end: a user's mistake is one line, anything else a traceback."""
+"""How the commands end: a user's mistake is one line, anything else a traceback.
+
+:func:`one_line_errors` ends src/train.py and src/eval.py; :func:`run_data_command` runs the work
+of every ``python -m recforge.data.<family>.preprocess|prepare``.
+"""
 from __future__ import annotations
 
+import argparse
+import logging
 import os
-from collections.abc import Callable
+import signal
+import sys
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from recforge.errors import UserInputError
@@ -21,3 +29,29 @@ def one_line_errors(run: Callable[[], T]) -> T:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise SystemExit(f"recforge: {error}") from None
+
+
+def run_data_command(run: Callable[[], T]) -> T:
+    """Run a data preparation command's work: progress logged at INFO to stderr, a user error as
+    one ``recforge:`` line (:func:`one_line_errors`).
+
+    A plain kill (SIGTERM) would end the process without unwinding, leaving a half-built staging
+    directory behind; as an exit, the staging directory is removed on the way out.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return one_line_errors(run)
+
+
+def data_command_parser(
+    module: str, description: str, raw_help: str, datasets: Sequence[str] | None = None
+) -> argparse.ArgumentParser:
+    """The arguments every data preparation command shares: the dataset (when it has a choice of
+    them), ``--raw`` files, the ``--out`` directory and ``--force``."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    if datasets is not None:
+        parser.add_argument("dataset", choices=sorted(datasets))
+    parser.add_argument("--raw", nargs="+", required=True, help=raw_help)
+    parser.add_argument("--out", required=True, help="the prepared directory to write")
+    parser.add_argument("--force", action="store_true", help="prepare again even if --out is up to date")
+    return parser

@@ -560,7 +560,7 @@ def test_metadata_records_the_conversion(tmp_path):
     path = write_lines(tmp_path / "m.txt", synthetic_lines(21))
     meta = read_metadata(prepare_criteo(path, tmp_path / "p", categorical="vocab", min_frequency=2, chunk_rows=5))
     (source,) = meta["source"]["inputs"]
-    assert source["path"] == str(path.resolve()) and source["bytes"] == path.stat().st_size
+    assert source["path"] == str(path.resolve()) and source["size"] == path.stat().st_size
     assert source["layout"] == "tsv"
     assert meta["categorical"]["mode"] == "vocab" and meta["categorical"]["min_frequency"] == 2
     assert len(meta["categorical"]["distinct_values"]) == 26 and "index_layout" in meta["categorical"]
@@ -635,3 +635,68 @@ def test_prepared_parts_follow_the_schema(tmp_path):
     assert {str(schema.field(f"I{i}").type) for i in range(1, 14)} == {"float"}
     assert {str(schema.field(f"C{i}").type) for i in range(1, 27)} == {"int32"}
     assert json.loads((out / "metadata.json").read_text())["format"] == "recforge-criteo-prepared"
+
+
+# ---------------------------------------------------------------------------- written before prepared_dir
+def _as_before_the_toolkit(prepared: Path) -> dict:
+    """Rewrite a prepared directory's metadata as the converter wrote it before prepared_dir: the
+    inputs' size under "bytes"."""
+    meta = json.loads((prepared / "metadata.json").read_text())
+    for entry in meta["source"]["inputs"]:
+        entry["bytes"] = entry.pop("size")
+    (prepared / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return meta
+
+
+def test_a_cache_converted_before_the_toolkit_is_found_under_its_old_key(tmp_path, monkeypatch, caplog):
+    import hashlib
+
+    import recforge.data.criteo.prepare as prepare_module
+
+    path = write_lines(tmp_path / "e.txt", synthetic_lines(30))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    made = prepare_criteo(path, tmp_path / "made", max_ind_range=9)
+    meta = _as_before_the_toolkit(made)
+    st = path.stat()
+    # the key exactly as ensure_prepared computed it before: sizes spelt "bytes"
+    blob = json.dumps({"converter": 1, "params": meta["conversion"]["params"], "inputs": {
+        "raw": [{"path": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}],
+        "valid": [], "test": []}}, sort_keys=True)
+    old = cache / hashlib.sha256(blob.encode()).hexdigest()[:16]
+    made.rename(old)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a converted cache was converted again")
+
+    monkeypatch.setattr(prepare_module, "_convert", refuse)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="recforge"):
+        found = ensure_prepared(path, cache, max_ind_range=9)
+    assert found == cache / prepared_key(path, max_ind_range=9) != old
+    assert [r.getMessage() for r in caplog.records] == [
+        f"criteo cache {old}: renamed to {found.name} (the key now spells the input sizes 'size')"]
+    assert read_metadata(found) == meta and not old.exists()
+    assert ensure_prepared(path, cache, max_ind_range=9) == found
+
+
+def test_an_out_dir_converted_before_the_toolkit_is_converted_again_with_one_line(tmp_path, caplog):
+    path = write_lines(tmp_path / "e.txt", synthetic_lines(30))
+    out = prepare_criteo(path, tmp_path / "out", max_ind_range=9)
+    _as_before_the_toolkit(out)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="recforge.data.prepared_dir"):
+        assert prepare_criteo(path, out, max_ind_range=9) == out
+    assert [r.getMessage() for r in caplog.records if r.name == "recforge.data.prepared_dir"] == [
+        f"rebuilding {out}: its metadata.json records other inputs or settings than this run's"]
+    assert read_metadata(out)["source"]["inputs"][0]["size"] == path.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.txt", "out"]
+
+
+def test_an_out_dir_of_the_synthetic_generator_is_converted_over(tmp_path):
+    from recforge.data.criteo.synthetic import SyntheticCriteoConfig, write_synthetic_criteo
+
+    path = write_lines(tmp_path / "e.txt", synthetic_lines(30))
+    out = write_synthetic_criteo(SyntheticCriteoConfig(n_rows=200), tmp_path / "out")
+    assert prepare_criteo(path, out, max_ind_range=9) == out
+    assert read_metadata(out)["cardinalities"] == [10] * 26

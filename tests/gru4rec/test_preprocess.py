@@ -18,6 +18,7 @@ from recforge.data.sessions.io import read_session_file
 from recforge.data.sessions.preprocess import (
     DATASETS,
     MARKER_FILE,
+    OUTPUT_FILES,
     RawDataError,
     filter_support,
     prepare,
@@ -691,8 +692,8 @@ def test_cli_prints_paths_and_counts(tmp_path, capsys):
     ]
     test_line = ["test", str(out / "test.txt"), "events=4", "sessions=2", "items=2"]
     assert printed[1].split() == test_line
-    assert pp.main(["rsc15", "--raw", str(tmp_path / "nope.dat"), "--out", str(out)]) == 2
-    assert "nope.dat does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^recforge: .*nope\.dat does not exist"):
+        pp.main(["rsc15", "--raw", str(tmp_path / "nope.dat"), "--out", str(out)])
 
 
 def test_module_runs_as_a_script(tmp_path):
@@ -706,3 +707,36 @@ def test_module_runs_as_a_script(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "train_valid" in result.stdout and "events=2" in result.stdout
     assert file_rows(out / "train_valid.txt") == RSC15_EXPECTED["train_valid"]
+
+
+def test_a_directory_prepared_before_the_toolkit_is_read_as_it_is(tmp_path, monkeypatch, caplog):
+    raw = write(tmp_path / "clicks.dat", RSC15_CLICKS)
+    out = tmp_path / "out"
+    out.mkdir()
+    old_rows = "SessionId\tItemId\tTime\n1\t10\t1.0\n1\t11\t2.0\n"
+    for name in OUTPUT_FILES.values():
+        (out / name).write_text(old_rows)
+    st = raw.stat()
+    # done.json exactly as the preprocessing wrote it before prepared_dir existed
+    old_marker = {
+        "created": "2026-11-30T08:00:00+00:00",
+        "dataset": "rsc15",
+        "files": {"test": "test.txt", "train_full": "train_full.txt", "train_tr": "train_tr.txt",
+                  "train_valid": "train_valid.txt"},
+        "inputs": [{"mtime_ns": st.st_mtime_ns, "path": str(raw.resolve()), "size": st.st_size}],
+        "params": {"min_item_support": 2, "test_days": 1.0},
+        "stats": {name: {"events": 2, "items": 2, "sessions": 1} for name in OUTPUT_FILES},
+        "time_unit": "s",
+        "version": 1,
+    }
+    (out / MARKER_FILE).write_text(json.dumps(old_marker, indent=2, sort_keys=True) + "\n")
+
+    def refuse(df, path):
+        raise AssertionError("an up-to-date directory was written again")
+
+    monkeypatch.setattr(pp, "write_session_file", refuse)
+    with caplog.at_level("INFO", logger="recforge"):
+        paths = prepare("rsc15", raw, out, min_item_support=2)
+    assert [r.getMessage() for r in caplog.records] == [f"{out} is up to date"]
+    assert all(p.read_text() == old_rows for p in paths.values())
+    assert read_marker(out) == old_marker

@@ -219,6 +219,20 @@ def test_gzipped_and_crlf_files_read_like_plain_ones(
     pd.testing.assert_frame_equal(read, expected)  # no '\r' left on the last column's values
 
 
+def test_gzip_is_told_by_its_bytes_not_its_name(tmp_path: Path) -> None:
+    import gzip
+
+    frame = _frame()
+    plain = write_session_file(frame, tmp_path / "plain.txt")
+    plain_named_gz = tmp_path / "plain.txt.gz"
+    plain_named_gz.write_bytes(plain.read_bytes())
+    gzip_named_plain = tmp_path / "packed.txt"
+    gzip_named_plain.write_bytes(gzip.compress(plain.read_bytes()))
+    expected = read_session_file(plain)
+    pd.testing.assert_frame_equal(read_session_file(plain_named_gz), expected)
+    pd.testing.assert_frame_equal(read_session_file(gzip_named_plain), expected)
+
+
 def test_gzipped_crlf_file_names_the_line_of_a_bad_value(tmp_path: Path) -> None:
     import gzip
 

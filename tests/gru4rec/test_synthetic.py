@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -206,17 +207,55 @@ def test_write_dataset_defers_to_a_concurrent_writer(
     import recforge.data.synthetic as synthetic
 
     real_generate = synthetic.generate_sessions
+    generating, release = threading.Event(), threading.Event()
+    generated_by = []
 
-    def generate_while_another_process_finishes(cfg: SyntheticSessionsConfig) -> pd.DataFrame:
-        # Simulate a rival that publishes the complete cache while we are still generating.
-        monkeypatch.setattr(synthetic, "generate_sessions", real_generate)
-        rival = write_synthetic_dataset(cfg, tmp_path)
-        for p in rival.values():
-            os.utime(p, ns=(1, 1))
+    def generate_slowly(cfg: SyntheticSessionsConfig) -> pd.DataFrame:
+        generated_by.append(threading.current_thread().name)
+        generating.set()
+        assert release.wait(60)
         return real_generate(cfg)
 
-    monkeypatch.setattr(synthetic, "generate_sessions", generate_while_another_process_finishes)
-    paths = write_synthetic_dataset(SMALL, tmp_path)
-    # The rival's files are kept untouched and our staging directory is cleaned up.
-    assert all(p.stat().st_mtime_ns == 1 for p in paths.values())
+    monkeypatch.setattr(synthetic, "generate_sessions", generate_slowly)
+    results = {}
+
+    def call() -> None:
+        results[threading.current_thread().name] = write_synthetic_dataset(SMALL, tmp_path)
+
+    rival = threading.Thread(target=call, name="rival")
+    rival.start()
+    assert generating.wait(60)
+    # While the rival generates, a second caller must wait for it rather than generate too.
+    ours = threading.Thread(target=call, name="ours")
+    ours.start()
+    ours.join(0.5)
+    assert ours.is_alive()
+    release.set()
+    rival.join(60)
+    ours.join(60)
+    assert generated_by == ["rival"]
+    assert results["ours"] == results["rival"]
+    assert all(p.is_file() for p in results["ours"].values())
+    # No staging directory or lock file is left behind.
     assert [p.name for p in tmp_path.iterdir()] == [SMALL.cache_key()]
+
+
+def test_a_cache_written_before_markers_is_regenerated_with_one_line(tmp_path: Path, caplog) -> None:
+    # The layout of a synthetic cache before prepared_dir: the four files and config.json, no
+    # done.json (completeness was the four files being there).
+    import json
+
+    target = tmp_path / SMALL.cache_key()
+    target.mkdir()
+    for filename in ("train_full.txt", "test.txt", "train_tr.txt", "train_valid.txt"):
+        (target / filename).write_text("SessionId\tItemId\tTime\n1\ti1\t1.0\n")
+    (target / "config.json").write_text(json.dumps(dataclasses.asdict(SMALL), indent=2) + "\n")
+    with caplog.at_level("INFO", logger="recforge"):
+        paths = write_synthetic_dataset(SMALL, tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rebuilding {target}: no readable done.json (the build did not finish, or none was made here)"
+    ]
+    train_full, test = split_by_time(generate_sessions(SMALL), SMALL.test_days)
+    pd.testing.assert_frame_equal(read_session_file(paths["test"]), test)
+    pd.testing.assert_frame_equal(read_session_file(paths["train_full"]), train_full)
+    assert json.loads((target / "done.json").read_text())["generator"]["seed"] == SMALL.seed

@@ -211,10 +211,16 @@ def test_missing_file_and_directory(tmp_path):
         read_table(tmp_path, HEADED)
 
 
-def test_not_gzip_despite_the_name(tmp_path):
-    path = write(tmp_path / "plain.dat.gz", ML_TEXT)
-    with pytest.raises(DelimitedFileError, match=r"plain\.dat\.gz: cannot be read as gzip"):
-        read_table(path, RATINGS)
+def test_gzip_is_told_by_its_bytes_not_its_name(tmp_path):
+    plain_named_gz = write(tmp_path / "plain.dat.gz", ML_TEXT)
+    gzip_named_plain = write(tmp_path / "packed.dat", ML_TEXT, gz=True)
+    for path in (plain_named_gz, gzip_named_plain):
+        assert rows(read_table(path, RATINGS), ["user", "item", "rating", "time"]) == ML_ROWS
+    cut = tmp_path / "cut.dat"
+    whole = gzip.compress((ML_TEXT * 500).encode())
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DelimitedFileError, match=r"cut\.dat: cannot be read as gzip-compressed text"):
+        read_table(cut, RATINGS)
 
 
 def test_invalid_utf8(tmp_path):

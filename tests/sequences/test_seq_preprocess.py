@@ -124,6 +124,20 @@ def test_ml1m_by_hand(tmp_path, gz):
     assert [i["path"] for i in marker["inputs"]] == [str(ratings.resolve()), str(movies.resolve())]
 
 
+def test_gzip_is_told_by_its_bytes_not_its_name(tmp_path):
+    plain = write(tmp_path / "ratings.dat", ML1M_RATINGS)
+    expected = files_content(prepare("ml-1m", plain, tmp_path / "plain"))
+    plain_named_gz = tmp_path / "renamed" / "ratings.dat.gz"
+    plain_named_gz.parent.mkdir()
+    plain_named_gz.write_bytes(plain.read_bytes())
+    gzip_named_plain = tmp_path / "packed" / "ratings.dat"
+    gzip_named_plain.parent.mkdir()
+    gzip_named_plain.write_bytes(gzip.compress(plain.read_bytes()))
+    assert expected["users"] == ["9", "10"]
+    for path in (plain_named_gz, gzip_named_plain):
+        assert files_content(prepare("ml-1m", path, path.parent / "out")) == expected
+
+
 def test_ml1m_without_movies_file_keeps_rated_items_only(tmp_path, caplog):
     ratings = write(tmp_path / "ratings.dat", ML1M_RATINGS)
     out = prepare("ml-1m", ratings, tmp_path / "out")
@@ -357,14 +371,14 @@ def test_reused_while_inputs_and_parameters_are_unchanged(tmp_path, monkeypatch)
         calls.append(kwargs["params"])
         return original(directory, histories, **kwargs)
 
-    write_parquet = prepared_module._write_parquet_atomically
+    write_parquet = prepared_module.pq.write_table
 
-    def parquet_spy(table, path):
-        assert not (path.parent / MARKER_FILE).exists(), "marker present while writing"
-        return write_parquet(table, path)
+    def parquet_spy(table, path, **kwargs):
+        assert not (out / MARKER_FILE).exists(), "marker present while writing"
+        return write_parquet(table, path, **kwargs)
 
     monkeypatch.setattr(pp, "write_prepared", spy)
-    monkeypatch.setattr(prepared_module, "_write_parquet_atomically", parquet_spy)
+    monkeypatch.setattr(prepared_module.pq, "write_table", parquet_spy)
     prepare("ml-1m", raw, out)
     prepare("ml-1m", raw, out)
     assert len(calls) == 1
@@ -418,8 +432,8 @@ def test_cli(tmp_path, capsys):
     assert main(["ml-1m", "--raw", str(raw), str(movies), "--out", str(out)]) == 0
     assert capsys.readouterr().out.split() == [
         str(out), "users=2", "items=5", "rated_items=4", "events=5"]
-    assert main(["ml-1m", "--raw", str(tmp_path / "nope.dat"), "--out", str(out)]) == 2
-    assert "nope.dat does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^recforge: .*nope\.dat does not exist"):
+        main(["ml-1m", "--raw", str(tmp_path / "nope.dat"), "--out", str(out)])
     books = write(tmp_path / "mags.csv", [f"{i},{u},{r},{t}" for u, i, r, t in AMAZON])
     assert main(["amzn-books", "--raw", str(books), "--out", str(tmp_path / "b"),
                  "--columns", "item,user,rating,timestamp", "--min-interactions", "2"]) == 0
@@ -436,3 +450,34 @@ def test_module_runs_as_a_script(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "users=2" in result.stdout
     assert np.array_equal(load_prepared(tmp_path / "out").offsets, [0, 2, 5])
+
+
+def test_a_directory_prepared_before_the_toolkit_is_read_as_it_is(tmp_path, monkeypatch, caplog):
+    import recforge.data.sequences.preprocess as pp
+
+    raw = write(tmp_path / "ratings.dat", ML1M_RATINGS)
+    out = prepare("ml-1m", raw, tmp_path / "out")
+    expected = files_content(out)
+    st = raw.stat()
+    # done.json exactly as sequences/prepared.py wrote it before prepared_dir existed
+    old_marker = {
+        "created": "2026-11-30T08:00:00+00:00",
+        "dataset": "ml-1m",
+        "files": {"histories": "histories.parquet", "items": "items.parquet"},
+        "format": "recforge-histories",
+        "inputs": [{"mtime_ns": st.st_mtime_ns, "path": str(raw.resolve()), "size": st.st_size}],
+        "params": {"min_interactions": 0},
+        "stats": {"events": 5, "items": 4, "rated_items": 4, "users": 2},
+        "version": 1,
+    }
+    (out / MARKER_FILE).write_text(json.dumps(old_marker, indent=2, sort_keys=True) + "\n")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an up-to-date directory was written again")
+
+    monkeypatch.setattr(pp, "write_prepared", refuse)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="recforge"):
+        assert prepare("ml-1m", raw, out) == out
+    assert [r.getMessage() for r in caplog.records] == [f"{out} is up to date"]
+    assert files_content(out) == expected and read_marker(out) == old_marker

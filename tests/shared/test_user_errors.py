@@ -276,3 +276,30 @@ def test_readme_resume_line_continues_the_run_and_eval_reads_the_resumed_config(
     if test_ckpt == "last.ckpt":
         assert got["test/recall@20"] == pytest.approx(expected["test/recall@20"], abs=1e-7)
     assert f"metrics: {eval_dir / 'metrics.json'}" in evaluated.stdout + evaluated.stderr
+
+
+# ---------------------------------------------------------------- the data preparation commands
+PREPARATION_ERRORS = [
+    # module, raw file name, its text, the words the one line must hold after the file's path
+    ("recforge.data.sessions.preprocess", "clicks.dat", "1,2014-04-01T08:00:00.000Z,abc,0\n",
+     ", line 1, column 3 (ItemID): expected"),
+    ("recforge.data.sequences.preprocess", "ratings.dat", "1::x::5::100\n",
+     ", line 1, column 2 (MovieID): expected an integer movie id, got 'x'"),
+    ("recforge.data.criteo.prepare", "train.txt", "", ": the file is empty (expected Criteo rows)"),
+]
+
+
+@pytest.mark.parametrize("module,name,text,words", PREPARATION_ERRORS)
+def test_preparation_commands_end_a_user_error_in_one_line(tmp_path, module, name, text, words):
+    import subprocess
+    import sys
+
+    raw = tmp_path / name
+    raw.write_text(text)
+    dataset = {"sessions": ["rsc15"], "sequences": ["ml-1m"], "criteo": []}[module.split(".")[2]]
+    done = subprocess.run([sys.executable, "-m", module, *dataset, "--raw", str(raw), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"recforge: {raw}{words}"), done.stderr
+    assert not (tmp_path / "out").exists()

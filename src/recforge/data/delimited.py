@@ -4,16 +4,15 @@ The typed pandas parser reads fast but only says *that* a value is bad. When it 
 read again as text (chunk by chunk, one frame row per text line) to name the file, the line and the
 field of the first bad value and what was expected there.
 
-Handled: gzip (a ``.gz`` name), CRLF line ends, a UTF-8 byte-order mark, files with a header
-(columns found by name, any order, extra columns ignored) or without one (columns by position),
-and multi-character separators such as MovieLens' ``::``. pandas' fast C parser takes only single
+Handled: gzip (told by its magic bytes, whatever the name), CRLF line ends, a UTF-8 byte-order
+mark, files with a header (columns found by name, any order, extra columns ignored) or without one
+(columns by position), and multi-character separators such as MovieLens' ``::``. pandas' fast C parser takes only single
 characters, and its Python engine is an order of magnitude slower (ml-20m has 20M lines), so
 such a separator is rewritten to one control character while the bytes stream to the C parser.
 """
 from __future__ import annotations
 
 import csv
-import gzip
 import io
 import os
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from typing import IO, Any
 import numpy as np
 import pandas as pd
 
+from recforge.data.compressed import describe_compression, open_decompressed
 from recforge.errors import UserInputError
 
 __all__ = [
@@ -212,11 +212,11 @@ def open_text_bytes(
     sep: str | None = None,
     error: type[DelimitedFileError] = DelimitedFileError,
 ) -> IO[bytes]:
-    """The file's bytes, decompressed when its name ends in ``.gz``; with a multi-character
+    """The file's bytes, decompressed when it is gzip; with a multi-character
     ``sep``, each occurrence is replaced by one control character (the separator to give pandas
     is then :func:`parser_separator`)."""
     path = Path(path)
-    raw: IO[bytes] = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    raw = open_decompressed(path)
     if sep is None or len(sep) == 1:
         return raw
     return io.BufferedReader(_SeparatorRewriter(raw, sep.encode(), path, error), _BLOCK)
@@ -240,17 +240,13 @@ def _first_line(path: Path, table: Table, error: type[DelimitedFileError]) -> st
         with open_text_bytes(path) as handle:
             raw = handle.readline(1 << 20)
     except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
-        raise error(f"{path}: cannot be read as {_compression(path)}: {exc}", path=path) from exc
+        raise error(f"{path}: cannot be read as {describe_compression(path)}: {exc}", path=path) from exc
     try:
         # A byte-order mark must not hide the first column's name.
         return raw.decode(encoding, errors=table.encoding_errors).rstrip("\r\n")
     except UnicodeDecodeError as exc:
         raise error(f"{path}, line 1: not valid {table.encoding} text: {exc}", path=path,
                     line=1) from exc
-
-
-def _compression(path: Path) -> str:
-    return "gzip-compressed text" if path.suffix == ".gz" else "text"
 
 
 def locate(
@@ -369,7 +365,7 @@ def iter_chunks(
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not valid {table.encoding} text: {exc}", path=path) from exc
     except (OSError, EOFError) as exc:
-        raise error(f"{path}: cannot be read as {_compression(path)}: {exc}", path=path) from exc
+        raise error(f"{path}: cannot be read as {describe_compression(path)}: {exc}", path=path) from exc
     except (ValueError, OverflowError, TypeError) as exc:
         _diagnose(located, chunksize, exc)
         raise error(f"{path}: could not parse {table.description}: {exc}", path=path) from exc

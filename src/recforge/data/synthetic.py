@@ -8,17 +8,14 @@ smoke-testing that training actually learns, without downloading anything.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from recforge.data.prepared_dir import StagedDir, as_json, build_once, cache_key, why_not_current
 from recforge.data.sessions.io import ITEM_KEY, SESSION_KEY, TIME_KEY, write_session_file
 
 __all__ = [
@@ -81,12 +78,13 @@ class SyntheticSessionsConfig:
         if self.median_gap_seconds <= 0:
             raise ValueError(f"median_gap_seconds must be > 0, got {self.median_gap_seconds}")
 
+    def params(self) -> dict:
+        """Every field and the generator's version: what the cache directory is keyed by."""
+        return {**dataclasses.asdict(self), "_generator_version": _GENERATOR_VERSION}
+
     def cache_key(self) -> str:
         """A short hash of every field: changing any field gives a different key."""
-        fields = dataclasses.asdict(self)
-        fields["_generator_version"] = _GENERATOR_VERSION
-        blob = json.dumps(fields, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
+        return cache_key(self.params())
 
 
 def generate_sessions(cfg: SyntheticSessionsConfig | None = None) -> pd.DataFrame:
@@ -174,60 +172,27 @@ def write_synthetic_dataset(
 ) -> dict[str, Path]:
     """Write (or reuse) the four GRU4Rec split files under ``directory / cfg.cache_key()``.
 
-    Returns paths keyed ``train_full``, ``test``, ``train_tr``, ``train_valid``. The directory
-    appears complete or not at all, so concurrent callers and interrupted runs are safe.
+    Returns paths keyed ``train_full``, ``test``, ``train_tr``, ``train_valid``. Built once
+    (:func:`recforge.data.prepared_dir.build_once`): concurrent callers wait for one writer, and
+    an interrupted or incomplete directory is written again; ``done.json`` records the config.
     """
     cfg = cfg or SyntheticSessionsConfig()
-    root = Path(directory)
-    target = root / cfg.cache_key()
-    paths = {name: target / filename for name, filename in SPLIT_FILES.items()}
-    if all(p.is_file() for p in paths.values()):
-        return paths
+    target = Path(directory) / cfg.cache_key()
+    identity = {"generator": as_json(cfg.params())}
 
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=root))
-    try:
+    def build(target: Path) -> None:
         train_full, test = split_by_time(generate_sessions(cfg), cfg.test_days)
         train_tr, train_valid = split_by_time(train_full, cfg.valid_days)
-        frames = {
-            "train_full": train_full,
-            "test": test,
-            "train_tr": train_tr,
-            "train_valid": train_valid,
-        }
-        for name, frame in frames.items():
-            write_session_file(frame, staging / SPLIT_FILES[name])
-        # Kept next to the data so a cache directory says what it contains.
-        (staging / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-        _publish(staging, target, paths)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return paths
+        frames = {"train_full": train_full, "test": test, "train_tr": train_tr,
+                  "train_valid": train_valid}
+        with StagedDir(target) as staged:
+            for name, frame in frames.items():
+                write_session_file(frame, staged.path / SPLIT_FILES[name])
+            staged.publish(identity)
 
-
-def _publish(staging: Path, target: Path, paths: dict[str, Path]) -> None:
-    """Move the staged directory into place, deferring to a writer that finished first."""
-    try:
-        os.rename(staging, target)
-        return
-    except OSError:
-        if all(p.is_file() for p in paths.values()):
-            return  # a concurrent writer won; its files are equivalent to ours
-    # An incomplete directory is in the way (e.g. files deleted by hand): move it aside, then retry.
-    trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-    try:
-        try:
-            os.replace(target, trash / "old")
-        except FileNotFoundError:
-            pass
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not all(p.is_file() for p in paths.values()):
-                raise
-    finally:
-        shutil.rmtree(trash, ignore_errors=True)
+    build_once(target, build,
+               lambda target: why_not_current(target, identity, files=SPLIT_FILES.values()))
+    return {name: target / filename for name, filename in SPLIT_FILES.items()}
 
 
 def _sample(rng: np.random.Generator, cdf: np.ndarray, size: int) -> np.ndarray:

@@ -18,14 +18,23 @@ def _umask() -> int:
 _UMASK = _umask()
 
 
+def apply_umask(path: str | os.PathLike[str]) -> None:
+    """Give ``path``, and everything under it when it is a directory, the mode a plain ``open`` or
+    ``mkdir`` would: ``mkstemp`` and ``mkdtemp`` make them 0600 and 0700, which would hide results
+    and shared caches from other users."""
+    root = Path(path)
+    for item in [root, *(root.rglob("*") if root.is_dir() else ())]:
+        if not item.is_symlink():
+            os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~_UMASK)
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike[str], newline: str | None = None) -> Iterator[IO[str]]:
     """A text handle whose contents replace ``path`` only when the block exits without error.
 
     Parent directories are created. The temporary file sits in the target's directory, so the
     final ``os.replace`` is a rename on one filesystem; on any error it is removed and an existing
-    ``path`` keeps its old contents. The result gets the umask's mode (``mkstemp`` makes files
-    0600, which would hide results and shared caches from other users).
+    ``path`` keeps its old contents. The result gets the umask's mode (:func:`apply_umask`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,7 +45,7 @@ def atomic_output(path: str | os.PathLike[str], newline: str | None = None) -> I
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        apply_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

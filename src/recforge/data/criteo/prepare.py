@@ -21,7 +21,7 @@ splits: :mod:`.splits`. Command line::
         --test test.csv --out data/criteo_x4 --categorical vocab --min-frequency 10
 
 Metadata written beside the parts (besides what :class:`PreparedWriter` writes): ``source``
-(inputs with path, bytes, mtime_ns, layout, role; lines read), ``categorical`` (mode, settings,
+(inputs with path, size, mtime_ns, layout, role; lines read), ``categorical`` (mode, settings,
 index layout, per-feature distinct values / vocabulary sizes or rows used), ``split`` (kind,
 settings, ``rows`` per split), ``malformed`` (count, fraction, policy, ``file:line: reason``
 examples) and ``conversion`` (``rows_read``, ``elapsed_seconds``, ``chunk_rows``, ``converter``).
@@ -29,14 +29,9 @@ examples) and ``conversion`` (``rows_read``, ``elapsed_seconds``, ``chunk_rows``
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
-import json
 import logging
 import os
 import re
-import shutil
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -46,8 +41,14 @@ from typing import Any
 
 import numpy as np
 
-from recforge.cli import one_line_errors
-from recforge.data.criteo.prepared import METADATA, PreparedDataError, PreparedWriter, read_metadata
+from recforge.cli import data_command_parser, run_data_command
+from recforge.data.criteo.prepared import (
+    METADATA,
+    SPLITS,
+    PreparedDataError,
+    PreparedWriter,
+    read_metadata,
+)
 from recforge.data.criteo.raw import (
     LAYOUTS,
     Layout,
@@ -79,6 +80,7 @@ from recforge.data.criteo.transform import (
     check_min_frequency,
     dense_log1p,
 )
+from recforge.data.prepared_dir import as_paths, build_once, cache_key, fingerprint
 from recforge.errors import UserInputError
 
 __all__ = ["CONVERTER_VERSION", "DEFAULT_CHUNK_ROWS", "ensure_prepared", "main", "prepare_criteo", "prepared_key"]
@@ -101,14 +103,6 @@ class _Source:
     path: Path
     layout: Layout
     role: int | None  # the split of every row ("files"), or None: the plan decides
-
-
-def _paths(value: PathArg | Sequence[PathArg] | None) -> list[Path]:
-    if value is None:
-        return []
-    if isinstance(value, (str, os.PathLike)):
-        return [Path(value)]
-    return [Path(v) for v in value]
 
 
 def _day_files(paths: list[Path]) -> list[Path]:
@@ -193,15 +187,17 @@ def _plan(sources: list[_Source], split: str, seed: int) -> SplitPlan:
 
 
 def _check_out_dir(out_dir: Path, sources: list[_Source]) -> None:
-    """Refuse to replace a directory that is not a prepared one (PreparedWriter would)."""
+    """Refuse an output directory that holds the input or anything a conversion does not write:
+    it is no place for prepared data, and its files would be mixed with the parts."""
     for source in sources:
         if out_dir.resolve() in source.path.resolve().parents:
             raise UserInputError(f"the output directory {out_dir} holds the input {source.path}; choose another one")
-    if out_dir.exists() and not (out_dir.is_dir() and (out_dir / METADATA).is_file()):
-        if out_dir.is_file() or any(out_dir.iterdir()):
+    if out_dir.is_dir():
+        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in (METADATA, *SPLITS))
+        if foreign:
             raise UserInputError(
                 f"{out_dir}: exists and is not a prepared Criteo directory; refusing to replace it "
-                f"(remove it or choose another --out)"
+                f"(it holds {foreign[0]!r}; remove it or choose another --out)"
             )
 
 
@@ -250,11 +246,6 @@ def _write_chunk(writer: PreparedWriter, codes: np.ndarray, labels: np.ndarray, 
         writer.write(SPLIT_NAMES[code], labels[take], take_rows(dense, take), take_rows(sparse, take))
 
 
-def _fingerprint(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
 def prepare_criteo(
     raw: PathArg | Sequence[PathArg],
     out_dir: PathArg,
@@ -270,6 +261,7 @@ def prepare_criteo(
     max_malformed_fraction: float = DEFAULT_MAX_MALFORMED_FRACTION,
     valid: PathArg | Sequence[PathArg] | None = None,
     test: PathArg | Sequence[PathArg] | None = None,
+    force: bool = False,
 ) -> Path:
     """Convert raw Criteo files into the prepared directory ``out_dir``; returns it.
 
@@ -283,27 +275,51 @@ def prepare_criteo(
     ``chunk_rows``: lines parsed at a time (memory; the output does not depend on it).
     ``on_malformed``: ``skip`` (at most ``max_malformed_fraction`` of the lines read) or ``fail``.
 
-    Errors are one-line :class:`UserInputError`; a failed conversion leaves no ``out_dir`` (an
-    existing prepared one is kept), and an existing directory that is not a prepared one is
-    never replaced.
+    An ``out_dir`` whose metadata records the same inputs and parameters is reused unless
+    ``force``. Errors are one-line :class:`UserInputError`; a failed conversion leaves no
+    complete ``out_dir`` (:func:`recforge.data.prepared_dir.build_once`), and a directory that
+    holds other files is never written into.
     """
-    started = time.perf_counter()
     params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
                      max_malformed_fraction, chunk_rows)
     out_dir = Path(out_dir)
-    sources = _sources(_paths(raw), _paths(valid), _paths(test), split, layout)
+    sources = _sources(as_paths(raw), as_paths(valid), as_paths(test), split, layout)
     _check_out_dir(out_dir, sources)
-    plan = _plan(sources, split, seed)
+    inputs = _recorded_inputs(sources)
+
+    def why_stale(directory: Path) -> str | None:
+        try:
+            meta = read_metadata(directory)
+        except PreparedDataError as error:
+            return str(error)
+        recorded = (meta.get("source", {}).get("inputs"), meta.get("conversion", {}).get("params"))
+        if recorded != (inputs, params):  # the synthetic generator's directories record neither
+            return f"its {METADATA} records other inputs or settings than this run's"
+        return None
+
+    return build_once(out_dir, lambda target: _convert(sources, params, target, chunk_rows), why_stale,
+                      force=force)
+
+
+def _recorded_inputs(sources: list[_Source]) -> list[dict[str, Any]]:
+    return [{**fingerprint(s.path), "layout": s.layout.name,
+             "role": SPLIT_NAMES[s.role] if s.role is not None else "split"} for s in sources]
+
+
+def _convert(sources: list[_Source], params: dict[str, Any], out_dir: Path, chunk_rows: int) -> Path:
+    """The streaming conversion (see the module docstring) of ``sources`` into ``out_dir``."""
+    started = time.perf_counter()
+    split = params["split"]
+    plan = _plan(sources, split, params.get("seed", 0))
+    policy = (params["on_malformed"], params["max_malformed_fraction"])
     encoder: HashEncoder | VocabEncoder
-    categorical = params["categorical"]
-    if categorical == "hash":
-        encoder = HashEncoder(max_ind_range)
+    if params["categorical"] == "hash":
+        encoder = HashEncoder(params["max_ind_range"])
     else:
         # Its own log: the conversion pass below sees these lines again and reports them.
-        first_pass = MalformedLog(on_malformed, max_malformed_fraction)
-        encoder = _build_vocabulary(sources, plan, min_frequency, chunk_rows, first_pass)
+        encoder = _build_vocabulary(sources, plan, params["min_frequency"], chunk_rows, MalformedLog(*policy))
 
-    malformed = MalformedLog(on_malformed, max_malformed_fraction)
+    malformed = MalformedLog(*policy)
     progress = _Progress("conversion")
     with PreparedWriter(out_dir) as writer:
         for index, source in enumerate(sources):
@@ -323,11 +339,7 @@ def prepare_criteo(
         elapsed = time.perf_counter() - started
         path = writer.finish(
             encoder.cardinalities,
-            source={
-                "inputs": [{**_fingerprint(s.path), "layout": s.layout.name,
-                            "role": SPLIT_NAMES[s.role] if s.role is not None else "split"} for s in sources],
-                "lines_read": malformed.rows_read,
-            },
+            source={"inputs": _recorded_inputs(sources), "lines_read": malformed.rows_read},
             categorical=encoder.metadata(),
             split={**plan.metadata(), "rows": rows},
             malformed=malformed.summary(),
@@ -357,18 +369,25 @@ def prepared_key(
 ) -> str:
     """16 hex digits of a hash of the inputs (resolved paths, sizes, mtimes), the parameters that
     apply (``chunk_rows`` excluded: it does not change the output) and :data:`CONVERTER_VERSION`."""
-    params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
-                     max_malformed_fraction, chunk_rows)
+    return _keys(raw, valid, test, _params(layout, categorical, max_ind_range, min_frequency, split, seed,
+                                           on_malformed, max_malformed_fraction, chunk_rows))[0]
+
+
+def _keys(raw, valid, test, params: dict[str, Any]) -> tuple[str, str]:
+    """(the key, the key as versions before the one fingerprint computed it: the size spelt
+    ``bytes``), so that caches converted before are found under their old name."""
     inputs = {}
-    for role, paths in (("raw", _paths(raw)), ("valid", _paths(valid)), ("test", _paths(test))):
-        if split == "days" and role == "raw":
+    for role, paths in (("raw", as_paths(raw)), ("valid", as_paths(valid)), ("test", as_paths(test))):
+        if params["split"] == "days" and role == "raw":
             paths = _day_files(paths)
         for path in paths:
             if not path.is_file():
                 raise RawInputError(f"{path}: no such file (the raw Criteo input)")
-        inputs[role] = [_fingerprint(p) for p in paths]
-    blob = json.dumps({"converter": CONVERTER_VERSION, "inputs": inputs, "params": params}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        inputs[role] = [fingerprint(p) for p in paths]
+    legacy = {role: [{"path": f["path"], "bytes": f["size"], "mtime_ns": f["mtime_ns"]} for f in found]
+              for role, found in inputs.items()}
+    return tuple(cache_key({"converter": CONVERTER_VERSION, "inputs": spelt, "params": params}, 16)
+                 for spelt in (inputs, legacy))
 
 
 def ensure_prepared(
@@ -387,53 +406,51 @@ def ensure_prepared(
     on_malformed: str = "skip",
     max_malformed_fraction: float = DEFAULT_MAX_MALFORMED_FRACTION,
 ) -> Path:
-    """``cache_root/<prepared_key(raw, ...)>``, converted by :func:`prepare_criteo` (same
+    """``cache_root/<prepared_key(raw, ...)>``, converted as :func:`prepare_criteo` does (same
     parameters) unless it already holds a complete prepared directory. Concurrent callers (one
-    per process of a distributed run) wait on a lock file beside it, and only the first converts.
+    per process of a distributed run) wait for the first, which converts
+    (:func:`recforge.data.prepared_dir.build_once`).
     """
-    params: dict[str, Any] = dict(
-        valid=valid, test=test, layout=layout, categorical=categorical, max_ind_range=max_ind_range,
-        min_frequency=min_frequency, split=split, seed=seed, chunk_rows=chunk_rows,
-        on_malformed=on_malformed, max_malformed_fraction=max_malformed_fraction,
-    )
+    params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
+                     max_malformed_fraction, chunk_rows)
     root = Path(cache_root)
-    target = root / prepared_key(raw, **params)
-    if _complete(target):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete(target):  # another process converted it while this one waited
+    key, legacy_key = _keys(raw, valid, test, params)
+    target, legacy = root / key, root / legacy_key
+    if not target.exists() and _why_incomplete(legacy) is None:
+        try:
+            os.rename(legacy, target)
+            log.info("criteo cache %s: renamed to %s (the key now spells the input sizes 'size')",
+                     legacy, target.name)
             return target
-        # Ours (the key names them) and stale: an incomplete directory, or the temporary one
-        # of a conversion that was killed (PreparedWriter names it .<name>.<random>.tmp).
-        for stale in [target, *root.glob(f".{target.name}.*.tmp")]:
-            if stale.exists():
-                shutil.rmtree(stale)
-        log.info("converting %s into %s", [str(p) for p in _paths(raw)], target)
-        return prepare_criteo(raw, target, **params)
+        except OSError:
+            pass  # another process renamed it first
+
+    def build(target: Path) -> Path:
+        sources = _sources(as_paths(raw), as_paths(valid), as_paths(test), split, layout)
+        log.info("converting %s into %s", [str(s.path) for s in sources], target)
+        return _convert(sources, params, target, chunk_rows)
+
+    return build_once(target, build, _why_incomplete)
 
 
-def _complete(prepared_dir: Path) -> bool:
+def _why_incomplete(prepared_dir: Path) -> str | None:
     try:
         read_metadata(prepared_dir)
-    except PreparedDataError:
-        return False
-    return True
+    except PreparedDataError as error:
+        return str(error)
+    return None
 
 
 # ---------------------------------------------------------------------------- command line
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m recforge.data.criteo.prepare",
-        description="Convert raw Criteo click logs (Kaggle train.txt / dac_sample.txt, Terabyte "
-        "day_N, plain or .gz; or the Kaggle/BARS CSV layout with a header) into the prepared "
-        "parquet format, streaming in bounded memory.",
+    parser = data_command_parser(
+        "recforge.data.criteo.prepare",
+        "Convert raw Criteo click logs (Kaggle train.txt / dac_sample.txt, Terabyte day_N, plain or "
+        "gzip; or the Kaggle/BARS CSV layout with a header) into the prepared parquet format, "
+        "streaming in bounded memory.",
+        "raw file(s), read in order; --split days: the day files (or their directory); --split files: "
+        "the training file(s)",
     )
-    parser.add_argument("--raw", nargs="+", required=True,
-                        help="raw file(s), read in order; --split days: the day files (or their directory); "
-                        "--split files: the training file(s)")
-    parser.add_argument("--out", required=True, help="the prepared directory to write")
     parser.add_argument("--layout", choices=LAYOUTS, default="auto",
                         help="tsv: label, I1..I13, C1..C26 tab-separated, no header; csv: a header naming "
                         "Label, I1..I13, C1..C26 (Id ignored); auto: from the first line (default)")
@@ -463,20 +480,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; a user error is one ``recforge:`` line and a non-zero exit."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    # A plain kill (SIGTERM) would end the process without unwinding, leaving PreparedWriter's
-    # temporary directory behind; as an exit, the writer removes it.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-    def run() -> Path:
-        return prepare_criteo(
-            args.raw, args.out, layout=args.layout, categorical=args.categorical,
-            max_ind_range=args.max_ind_range, min_frequency=args.min_frequency, split=args.split,
-            seed=args.seed, chunk_rows=args.chunk_rows, on_malformed=args.on_malformed,
-            max_malformed_fraction=args.max_malformed_fraction, valid=args.valid, test=args.test,
-        )
-
-    out = one_line_errors(run)
+    out = run_data_command(lambda: prepare_criteo(
+        args.raw, args.out, layout=args.layout, categorical=args.categorical,
+        max_ind_range=args.max_ind_range, min_frequency=args.min_frequency, split=args.split,
+        seed=args.seed, chunk_rows=args.chunk_rows, on_malformed=args.on_malformed,
+        max_malformed_fraction=args.max_malformed_fraction, valid=args.valid, test=args.test,
+        force=args.force,
+    ))
     meta = read_metadata(out)
     rows = meta["split"]["rows"]
     print(f"{out}  " + "  ".join(f"{k}={v}" for k, v in rows.items())

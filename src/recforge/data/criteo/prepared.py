@@ -16,16 +16,14 @@ value in its feature's table, ``[0, cardinalities[f])``). Rows keep the order th
 table sizes), ``dense_transform``, ``categorical`` (the index mode and its settings), ``split``
 (how rows were assigned), ``source`` and ``malformed`` (what was skipped, with examples).
 
-:class:`PreparedWriter` writes into a temporary directory beside the target and renames it into
-place on success; on any error the temporary directory is removed, so a failed conversion never
-leaves a directory that looks prepared.
+:class:`PreparedWriter` writes through :class:`recforge.data.prepared_dir.StagedDir`: into a
+temporary directory beside the target, moved into place with ``metadata.json`` last on success and
+removed on any error, so a failed conversion never leaves a directory that looks prepared.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recforge.data.prepared_dir import StagedDir
 from recforge.errors import UserInputError
 
 __all__ = [
@@ -71,20 +70,14 @@ class PreparedDataError(UserInputError):
     """A prepared directory that is missing, incomplete or not in this format."""
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 class PreparedWriter:
     """Streams rows into a prepared directory; use as a context manager.
 
     ``write(split, labels [n], dense [n, 13], sparse [n, 26])`` appends rows to ``split``
     (a new part file every ``rows_per_part`` rows; parquet row groups of ``row_group_size``).
-    ``finish(cardinalities, **metadata)`` closes the parts, writes ``metadata.json`` and renames
-    the directory into place (replacing an existing one). Leaving the ``with`` block without
-    ``finish`` (an exception) removes everything written.
+    ``finish(cardinalities, **metadata)`` closes the parts and publishes the directory with
+    ``metadata.json`` last (over an existing one). Leaving the ``with`` block without ``finish``
+    (an exception) removes everything written; an existing directory has lost its metadata then.
     """
 
     def __init__(
@@ -96,6 +89,7 @@ class PreparedWriter:
         self.out_dir = Path(out_dir)
         self.rows_per_part = int(rows_per_part)
         self.row_group_size = int(row_group_size)
+        self._staged = StagedDir(self.out_dir, METADATA)
         self._tmp: Path | None = None
         self._writers: dict[str, pq.ParquetWriter] = {}
         self._part_rows: dict[str, int] = {}
@@ -105,15 +99,13 @@ class PreparedWriter:
         self.finished = False
 
     def __enter__(self) -> PreparedWriter:
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.", suffix=".tmp", dir=self.out_dir.parent))
+        self._tmp = self._staged.__enter__().path
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.finished:
             self._close_writers()
-            if self._tmp is not None:
-                shutil.rmtree(self._tmp, ignore_errors=True)
+        self._staged.__exit__(exc_type, exc, tb)
 
     @property
     def rows(self) -> dict[str, int]:
@@ -167,7 +159,7 @@ class PreparedWriter:
             start += take
 
     def finish(self, cardinalities: Sequence[int], **metadata: Any) -> Path:
-        """Close the parts, write the metadata, rename the directory into place; its path."""
+        """Close the parts and publish the directory with its metadata; its path."""
         if self._tmp is None:
             raise RuntimeError("PreparedWriter.finish outside its with-block")
         cardinalities = [int(c) for c in cardinalities]
@@ -180,17 +172,7 @@ class PreparedWriter:
         }
         meta = {"format": FORMAT, "version": VERSION, "splits": splits, "cardinalities": cardinalities,
                 "dense_transform": "log1p_clip0", **metadata}
-        (self._tmp / METADATA).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        mode = 0o777 & ~_umask()
-        for path in [self._tmp, *self._tmp.rglob("*")]:
-            os.chmod(path, mode if path.is_dir() else mode & 0o666)
-        if self.out_dir.exists():
-            old = self.out_dir.with_name(f".{self.out_dir.name}.old-{os.getpid()}")
-            os.replace(self.out_dir, old)
-            os.replace(self._tmp, self.out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self._tmp, self.out_dir)
+        self._staged.publish(meta)
         self.finished = True
         return self.out_dir
 

@@ -26,7 +26,6 @@ follows the chunk (the bytes plus boundary and value arrays, about 1 KB per row)
 """
 from __future__ import annotations
 
-import gzip
 import os
 import zlib
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from typing import IO
 
 import numpy as np
 
+from recforge.data.compressed import describe_compression, open_decompressed
 from recforge.data.criteo.prepared import DENSE_COLUMNS, N_DENSE, N_SPARSE, SPARSE_COLUMNS
 from recforge.errors import UserInputError
 
@@ -64,7 +64,6 @@ _BLOCK = 1 << 22
 _GUESS_LINE_BYTES = 320
 # A "line" this long without a line break means the input is not a text file of rows.
 _MAX_LINE_BYTES = 1 << 26
-_GZIP_MAGIC = b"\x1f\x8b"
 _BOM = b"\xef\xbb\xbf"
 _NL, _CR, _MINUS = ord("\n"), ord("\r"), ord("-")
 _BAD = 255
@@ -177,25 +176,16 @@ def _check_file(path: Path) -> None:
         raise RawInputError(f"{path}: the file is empty (expected Criteo rows)")
 
 
-def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(2) == _GZIP_MAGIC
-
-
-def _compression(path: Path) -> str:
-    return "gzip-compressed text" if _is_gzip(path) else "text"
-
-
 def open_raw(path: str | os.PathLike[str]) -> IO[bytes]:
     """The decompressed bytes of ``path`` (gzip when it starts with the gzip magic bytes)."""
     path = Path(path)
     _check_file(path)
-    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
+    return open_decompressed(path)
 
 
 def _read_error(path: Path, error: BaseException) -> RawInputError:
     reason = str(error) or type(error).__name__
-    return RawInputError(f"{path}: cannot be read as {_compression(path)} (truncated or corrupt?): {reason}")
+    return RawInputError(f"{path}: cannot be read as {describe_compression(path)} (truncated or corrupt?): {reason}")
 
 
 _READ_ERRORS = (OSError, EOFError, zlib.error)

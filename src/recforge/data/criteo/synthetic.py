@@ -29,8 +29,6 @@ are cut at fixed sizes.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -49,6 +47,7 @@ from recforge.data.criteo.prepared import (
     PreparedWriter,
     read_metadata,
 )
+from recforge.data.prepared_dir import build_once, cache_key
 
 __all__ = [
     "BLOCK_ROWS",
@@ -170,8 +169,7 @@ def check_split(split: Sequence[float]) -> tuple[float, float, float]:
 
 def synthetic_criteo_key(config: SyntheticCriteoConfig, split: Sequence[float] = DEFAULT_SPLIT) -> str:
     """A short hash of the generator's parameters and the split: a different value, another key."""
-    blob = json.dumps({"generator": config.params(), "split": list(check_split(split))}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return cache_key({"generator": config.params(), "split": list(check_split(split))})
 
 
 def _stream(seed: int, *path: int) -> np.random.Generator:
@@ -420,18 +418,20 @@ def ensure_synthetic_criteo(
 ) -> Path:
     """The prepared directory ``cache_dir/<key>`` for this config and split, generated on first use.
 
-    Concurrent callers (DDP ranks) take a file lock, so one generates and the others reuse it.
+    Concurrent callers (DDP ranks) wait for the first, which generates it
+    (:func:`recforge.data.prepared_dir.build_once`).
     """
     config = config or SyntheticCriteoConfig()
-    cache_dir = Path(cache_dir)
-    target = cache_dir / synthetic_criteo_key(config, split)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{target.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def why_stale(target: Path) -> str | None:
         try:
-            if read_metadata(target).get("generator") == config.params():
-                return target
-        except PreparedDataError:
-            pass
+            generator = read_metadata(target).get("generator")
+        except PreparedDataError as error:
+            return str(error)
+        return None if generator == config.params() else "its metadata.json records another generator"
+
+    def build(target: Path) -> Path:
         log.info("generating %d synthetic Criteo rows into %s", config.n_rows, target)
         return write_synthetic_criteo(config, target, split)
+
+    return build_once(Path(cache_dir) / synthetic_criteo_key(config, split), build, why_stale)

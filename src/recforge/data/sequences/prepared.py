@@ -8,15 +8,13 @@
 * ``done.json``: written last; it records the format version, the dataset, the inputs (path, size,
   mtime), the parameters and the stats. A directory without it is incomplete.
 
-Writers delete the marker first, write each parquet file to a temporary name beside it and rename
-it into place, then write the marker: a crash never leaves a marker that vouches for a mix of old
-and new files.
+:func:`write_prepared` writes through :class:`recforge.data.prepared_dir.StagedDir`: the marker
+goes first and comes back last, so a crash never leaves a marker that vouches for a mix of old and
+new files; :func:`why_stale` says whether a directory can be reused.
 """
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,8 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recforge.data.prepared_dir import MARKER as MARKER_FILE
+from recforge.data.prepared_dir import StagedDir, read_marker, why_not_current
 from recforge.errors import UserInputError
-from recforge.utils.atomic import atomic_write_text
 
 __all__ = [
     "FORMAT",
@@ -37,10 +36,9 @@ __all__ = [
     "MARKER_FILE",
     "Histories",
     "PreparedDataError",
-    "fingerprint",
-    "is_up_to_date",
     "load_prepared",
     "read_marker",
+    "why_stale",
     "write_prepared",
 ]
 
@@ -49,7 +47,6 @@ FORMAT = "recforge-histories"
 FORMAT_VERSION = 1
 HISTORIES_FILE = "histories.parquet"
 ITEMS_FILE = "items.parquet"
-MARKER_FILE = "done.json"
 
 _HISTORIES_SCHEMA = pa.schema(
     [
@@ -108,35 +105,16 @@ class Histories:
         }
 
 
-def fingerprint(path: Path) -> dict[str, Any]:
-    """What identifies an input file's version: its absolute path, size and mtime."""
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+def _identity(dataset: str, inputs: list, params: dict) -> dict[str, Any]:
+    return {"format": FORMAT, "version": FORMAT_VERSION, "dataset": dataset, "inputs": inputs,
+            "params": params}
 
 
-def read_marker(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``done.json`` of a completed write; None when there is none (an unreadable one counts
-    as none: the write did not finish)."""
-    try:
-        marker = json.loads((Path(directory) / MARKER_FILE).read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return marker if isinstance(marker, dict) else None
-
-
-def is_up_to_date(directory: Path, dataset: str, inputs: list, params: dict) -> bool:
-    """Whether ``directory`` holds a finished write of the same dataset, inputs and parameters."""
-    marker = read_marker(directory)
-    return (
-        marker is not None
-        and marker.get("format") == FORMAT
-        and marker.get("version") == FORMAT_VERSION
-        and marker.get("dataset") == dataset
-        and marker.get("inputs") == inputs
-        and marker.get("params") == params
-        and (directory / HISTORIES_FILE).is_file()
-        and (directory / ITEMS_FILE).is_file()
-    )
+def why_stale(directory: Path, dataset: str, inputs: list, params: dict) -> str | None:
+    """Why ``directory`` does not hold a finished write of this dataset, these inputs and
+    parameters; None when it does."""
+    return why_not_current(directory, _identity(dataset, inputs, params),
+                           files=(HISTORIES_FILE, ITEMS_FILE))
 
 
 def write_prepared(
@@ -149,9 +127,6 @@ def write_prepared(
     extra_stats: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``histories`` into ``directory`` (created); returns the marker written last."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER_FILE).unlink(missing_ok=True)
     _check_consistent(histories)
     if histories.n_events > np.iinfo(np.int32).max:
         # list<int32> offsets are int32; more events would need large_list.
@@ -166,7 +141,6 @@ def write_prepared(
         ],
         schema=_HISTORIES_SCHEMA,
     )
-    _write_parquet_atomically(table, out / HISTORIES_FILE)
     items = pa.Table.from_arrays(
         [
             pa.array(np.arange(histories.n_items, dtype=np.int32)),
@@ -175,41 +149,17 @@ def write_prepared(
         ],
         schema=_ITEMS_SCHEMA,
     )
-    _write_parquet_atomically(items, out / ITEMS_FILE)
     marker = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "dataset": dataset,
-        "inputs": inputs,
-        "params": params,
+        **_identity(dataset, inputs, params),
         "files": {"histories": HISTORIES_FILE, "items": ITEMS_FILE},
         "stats": {**histories.stats(), **(extra_stats or {})},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    atomic_write_text(out / MARKER_FILE, json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    with StagedDir(directory) as staged:
+        pq.write_table(table, staged.path / HISTORIES_FILE, compression="zstd")
+        pq.write_table(items, staged.path / ITEMS_FILE, compression="zstd")
+        staged.publish(marker)
     return marker
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _write_parquet_atomically(table: pa.Table, path: Path) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        # mkstemp makes files 0600, which would hide a shared data directory from other users.
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _check_consistent(h: Histories) -> None:

@@ -18,9 +18,7 @@ chunks and ids are coded per chunk, so memory stays a few compact arrays per eve
 """
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import logging
 import os
 import sys
@@ -32,14 +30,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from recforge.cli import data_command_parser, run_data_command
 from recforge.data.delimited import Col, DelimitedFileError, Table, iter_chunks
-from recforge.data.sequences.prepared import (
-    Histories,
+from recforge.data.prepared_dir import (
+    as_paths,
+    build_once,
     fingerprint,
-    is_up_to_date,
+    parameters,
     read_marker,
-    write_prepared,
 )
+from recforge.data.sequences.prepared import Histories, why_stale, write_prepared
 from recforge.errors import UserInputError
 
 __all__ = [
@@ -312,47 +312,38 @@ def prepare(
     files, ``UserInputError`` for bad arguments.
     """
     spec = _spec(dataset)
-    unknown = sorted(set(overrides) - set(spec.defaults))
-    if unknown:
-        raise UserInputError(
-            f"{dataset}: unknown parameter(s) {unknown}; it accepts {sorted(spec.defaults)}"
-        )
-    params = json.loads(json.dumps({**spec.defaults, **overrides}, sort_keys=True))
+    params = parameters(dataset, spec.defaults, overrides)
     _check_params(dataset, params)
     if chunksize < 1:
         raise UserInputError(f"chunksize must be positive, got {chunksize}")
     ratings_path, items_path = _resolve_raw_paths(spec, raw_paths)
     table = spec.ratings_table(params)
-    out = Path(out_dir)
     used = [ratings_path] + ([items_path] if items_path is not None else [])
     inputs = [fingerprint(p) for p in used]
-    if not force and is_up_to_date(out, dataset, inputs, params):
-        log.info("%s: up to date in %s", dataset, out)
-        return out
 
-    events = read_ratings(ratings_path, table, chunksize, items_path, spec.items_table)
-    histories, raw = build_histories(events, int(params["min_interactions"]))
-    del events
-    if histories.n_users == 0:
-        raise RatingsDataError(
-            f"{ratings_path}: no user is left after keeping users and items with at least "
-            f"{params['min_interactions']} interactions ({raw['raw_events']} ratings read)",
-            path=ratings_path,
-        )
-    if items_path is None and spec.items_table is not None:
-        log.warning("%s: no items file given: the catalogue is the %d rated items only (the "
-                    "reference ranks every movie of %s)", dataset, histories.n_items,
-                    spec.items_files[0])
-    stats = histories.stats()
-    log.info("%s: %d users, %d items (%d rated), %d events; read %d ratings of %d users, %d items",
-             dataset, stats["users"], stats["items"], stats["rated_items"], stats["events"],
-             raw["raw_events"], raw["raw_users"], raw["raw_items"])
-    # Another process (a DDP rank) may have finished the same work while this one read: its
-    # marker must not be deleted under a reader.
-    if not force and is_up_to_date(out, dataset, inputs, params):
-        return out
-    write_prepared(out, histories, dataset=dataset, inputs=inputs, params=params, extra_stats=raw)
-    return out
+    def build(target: Path) -> None:
+        events = read_ratings(ratings_path, table, chunksize, items_path, spec.items_table)
+        histories, raw = build_histories(events, int(params["min_interactions"]))
+        del events
+        if histories.n_users == 0:
+            raise RatingsDataError(
+                f"{ratings_path}: no user is left after keeping users and items with at least "
+                f"{params['min_interactions']} interactions ({raw['raw_events']} ratings read)",
+                path=ratings_path,
+            )
+        if items_path is None and spec.items_table is not None:
+            log.warning("%s: no items file given: the catalogue is the %d rated items only (the "
+                        "reference ranks every movie of %s)", dataset, histories.n_items,
+                        spec.items_files[0])
+        stats = histories.stats()
+        log.info("%s: %d users, %d items (%d rated), %d events; read %d ratings of %d users, "
+                 "%d items", dataset, stats["users"], stats["items"], stats["rated_items"],
+                 stats["events"], raw["raw_events"], raw["raw_users"], raw["raw_items"])
+        write_prepared(target, histories, dataset=dataset, inputs=inputs, params=params,
+                       extra_stats=raw)
+
+    return build_once(out_dir, build, lambda directory: why_stale(directory, dataset, inputs, params),
+                      force=force)
 
 
 def _spec(dataset: str) -> RatingsSpec:
@@ -373,9 +364,7 @@ def _check_params(dataset: str, params: dict[str, Any]) -> None:
 def _resolve_raw_paths(
     spec: RatingsSpec, raw_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 ) -> tuple[Path, Path | None]:
-    if isinstance(raw_paths, (str, os.PathLike)):
-        raw_paths = [raw_paths]
-    paths = [Path(p) for p in raw_paths]
+    paths = as_paths(raw_paths)
     if len(paths) == 1 and paths[0].is_dir():
         folder = paths[0]
         ratings = next((folder / n for n in spec.ratings_files if (folder / n).is_file()), None)
@@ -409,38 +398,27 @@ def _resolve_raw_paths(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the process exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m recforge.data.sequences.preprocess",
-        description="Preprocess raw ratings into per-user histories (histories.parquet, "
-        "items.parquet, done.json) as spec §2 (HSTU) describes.",
-    )
-    parser.add_argument("dataset", choices=sorted(DATASETS))
-    parser.add_argument(
-        "--raw", nargs="+", required=True,
-        help="a directory holding the public files (ratings.dat + movies.dat, ratings.csv + "
+    parser = data_command_parser(
+        "recforge.data.sequences.preprocess",
+        "Preprocess raw ratings into per-user histories (histories.parquet, items.parquet, "
+        "done.json) as spec §2 (HSTU) describes.",
+        "a directory holding the public files (ratings.dat + movies.dat, ratings.csv + "
         "movies.csv, ratings_Books.csv), or the ratings file then the optional movies file",
+        DATASETS,
     )
-    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--min-interactions", type=int,
                         help="keep items and users with at least this many ratings (Books: 5)")
     parser.add_argument("--columns",
                         help="amzn-books: the file's column order, e.g. item,user,rating,timestamp")
     parser.add_argument("--chunksize", type=int, default=_DEFAULT_CHUNKSIZE, help="rows per chunk")
-    parser.add_argument("--force", action="store_true", help="redo even if up to date")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-
     overrides: dict[str, Any] = {}
     if args.min_interactions is not None:
         overrides["min_interactions"] = args.min_interactions
     if args.columns is not None:
         overrides["columns"] = [c.strip() for c in args.columns.split(",")]
-    try:
-        out = prepare(args.dataset, args.raw, args.out, force=args.force,
-                      chunksize=args.chunksize, **overrides)
-    except UserInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    out = run_data_command(lambda: prepare(args.dataset, args.raw, args.out, force=args.force,
+                                           chunksize=args.chunksize, **overrides))
     stats = (read_marker(out) or {}).get("stats", {})
     print(f"{out}  users={stats.get('users')} items={stats.get('items')} "
           f"rated_items={stats.get('rated_items')} events={stats.get('events')}")

@@ -9,14 +9,13 @@ items add a little more: a sequential model has something to learn, without any 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from recforge.data.sequences.prepared import Histories, is_up_to_date, write_prepared
+from recforge.data.prepared_dir import as_json, build_once, cache_key
+from recforge.data.sequences.prepared import Histories, why_stale, write_prepared
 
 __all__ = ["SyntheticHistoriesConfig", "generate_histories", "write_synthetic_histories"]
 
@@ -68,7 +67,7 @@ class SyntheticHistoriesConfig:
 
     def cache_key(self) -> str:
         """A short hash of every field: changing any field gives a different key."""
-        return hashlib.sha256(json.dumps(self.params(), sort_keys=True).encode()).hexdigest()[:12]
+        return cache_key(self.params())
 
 
 def _sample(rng: np.random.Generator, cdf: np.ndarray, size: int) -> np.ndarray:
@@ -166,15 +165,14 @@ def write_synthetic_histories(
 ) -> Path:
     """Write (or reuse) the prepared directory ``directory / cfg.cache_key()``; returns it.
 
-    The prepared format's contract holds: the marker goes first and comes back last, so an
-    interrupted write is redone, and concurrent writers (DDP ranks) write identical files.
+    Built once (:func:`recforge.data.prepared_dir.build_once`): an interrupted write is redone,
+    and of concurrent callers (DDP ranks) one writes while the others wait for it.
     """
     cfg = cfg or SyntheticHistoriesConfig()
-    target = Path(directory) / cfg.cache_key()
-    params = json.loads(json.dumps(cfg.params(), sort_keys=True))
-    if not is_up_to_date(target, _DATASET, [], params):
-        histories = generate_histories(cfg)
-        # Another process (a DDP rank) may have written it meanwhile: leave its marker alone.
-        if not is_up_to_date(target, _DATASET, [], params):
-            write_prepared(target, histories, dataset=_DATASET, inputs=[], params=params)
-    return target
+    params = as_json(cfg.params())
+
+    def build(target: Path) -> None:
+        write_prepared(target, generate_histories(cfg), dataset=_DATASET, inputs=[], params=params)
+
+    return build_once(Path(directory) / cfg.cache_key(), build,
+                      lambda target: why_stale(target, _DATASET, [], params))

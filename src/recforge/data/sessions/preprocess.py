@@ -19,8 +19,6 @@ The steps live in :mod:`recforge.data.sessions.preprocessing` (re-exported here)
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import sys
@@ -33,6 +31,17 @@ from typing import Any
 
 import pandas as pd
 
+from recforge.cli import data_command_parser, run_data_command
+from recforge.data.prepared_dir import MARKER as MARKER_FILE
+from recforge.data.prepared_dir import (
+    StagedDir,
+    as_paths,
+    build_once,
+    fingerprint,
+    parameters,
+    read_marker,
+    why_not_current,
+)
 from recforge.data.sessions.io import ITEM_KEY, SESSION_KEY, write_session_file
 from recforge.data.sessions.preprocessing import (
     coveo,
@@ -55,7 +64,7 @@ from recforge.data.sessions.preprocessing.steps import (
     time_split,
     train_test_valid,
 )
-from recforge.utils.atomic import atomic_write_text
+from recforge.errors import UserInputError
 
 __all__ = [
     "DATASETS",
@@ -86,7 +95,6 @@ OUTPUT_FILES = {
     "train_tr": "train_tr.txt",
     "train_valid": "train_valid.txt",
 }
-MARKER_FILE = "done.json"
 # Bump when the output for the same inputs and parameters changes, so old outputs are redone.
 _VERSION = 1
 _DEFAULT_CHUNKSIZE = 1_000_000
@@ -148,81 +156,59 @@ def prepare(
     None = the last event) and ``session_gap_seconds``. ``chunksize`` rows are parsed at a time.
 
     A previous run's outputs are reused when its ``done.json`` records the same inputs (path,
-    size, mtime) and parameters, unless ``force``. Otherwise the marker is deleted first, each
-    file is written atomically, and the marker is written again only after all four.
+    size, mtime) and parameters, unless ``force``. Otherwise the raw files are read (a bad one
+    leaves ``out_dir`` as it was), then the four files are rewritten and the marker comes last
+    (:func:`recforge.data.prepared_dir.build_once`).
     """
     spec = _spec(dataset)
-    unknown = sorted(set(overrides) - set(spec.defaults))
-    if unknown:
-        raise ValueError(
-            f"{dataset}: unknown parameter(s) {unknown}; it accepts {sorted(spec.defaults)}"
-        )
-    params = _jsonable({**spec.defaults, **overrides})
+    params = parameters(dataset, spec.defaults, overrides)
     if chunksize < 1:
-        raise ValueError(f"chunksize must be positive, got {chunksize}")
+        raise UserInputError(f"chunksize must be positive, got {chunksize}")
     paths = _resolve_raw_paths(spec, raw_paths)
     out = Path(out_dir)
-    outputs = {name: out / filename for name, filename in OUTPUT_FILES.items()}
-    inputs = [_fingerprint(p) for p in paths]
-
-    marker = read_marker(out)
-    if (
-        not force
-        and marker is not None
-        and (marker.get("dataset"), marker.get("version")) == (dataset, _VERSION)
-        and marker.get("inputs") == inputs
-        and marker.get("params") == params
-        and all(p.is_file() for p in outputs.values())
-    ):
-        log.info("%s: up to date in %s", dataset, out)
-        return outputs
-
-    out.mkdir(parents=True, exist_ok=True)
-    # Deleted before anything is rewritten, so a crash part-way never leaves a marker that
-    # vouches for a mix of old and new files.
-    (out / MARKER_FILE).unlink(missing_ok=True)
-    frames = spec.build(paths, params, chunksize)
-    stats = {}
-    for name, frame in frames.items():
-        write_session_file(frame, outputs[name])
-        stats[name] = _stats(frame)
-        log.info("%s %s: %s", dataset, name, stats[name])
-    marker = {
+    identity = {
         "dataset": dataset,
         "version": _VERSION,
-        "inputs": inputs,
+        "inputs": [fingerprint(p) for p in paths],
         "params": params,
-        "time_unit": spec.time_unit,
-        "files": OUTPUT_FILES,
-        "stats": stats,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    atomic_write_text(out / MARKER_FILE, json.dumps(marker, indent=2, sort_keys=True) + "\n")
-    return outputs
 
+    def build(target: Path) -> None:
+        frames = spec.build(paths, params, chunksize)
+        with StagedDir(target) as staged:
+            stats = {}
+            for name, frame in frames.items():
+                write_session_file(frame, staged.path / OUTPUT_FILES[name])
+                stats[name] = _stats(frame)
+                log.info("%s %s: %s", dataset, name, stats[name])
+            staged.publish({
+                **identity,
+                "time_unit": spec.time_unit,
+                "files": OUTPUT_FILES,
+                "stats": stats,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            })
 
-def read_marker(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``done.json`` of a completed run in ``out_dir``; None when there is none (an
-    unreadable one counts as none: the run did not finish)."""
-    try:
-        return json.loads((Path(out_dir) / MARKER_FILE).read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
+    def why_stale(directory: Path) -> str | None:
+        return why_not_current(directory, identity, files=OUTPUT_FILES.values())
+
+    build_once(out, build, why_stale, force=force)
+    return {name: out / filename for name, filename in OUTPUT_FILES.items()}
 
 
 def _spec(dataset: str) -> DatasetSpec:
     try:
         return DATASETS[dataset]
     except KeyError:
-        raise ValueError(f"unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}") from None
+        raise UserInputError(
+            f"unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}"
+        ) from None
 
 
 def _resolve_raw_paths(
     spec: DatasetSpec, raw_paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 ) -> list[Path]:
-    if isinstance(raw_paths, (str, os.PathLike)):
-        raw_paths = [raw_paths]
-    paths = [Path(p) for p in raw_paths]
+    paths = as_paths(raw_paths)
     if len(paths) == 1 and paths[0].is_dir():
         folder = paths[0]
         for names in (spec.raw_files, *spec.alternative_raw_files):
@@ -235,7 +221,7 @@ def _resolve_raw_paths(
     low, high = spec.n_files
     if not low <= len(paths) <= high:
         count = f"{low}" if low == high else f"{low} to {high}"
-        raise ValueError(
+        raise UserInputError(
             f"{spec.name} takes {count} raw file(s) (e.g. {', '.join(spec.raw_files)}), "
             f"got {len(paths)}"
         )
@@ -244,16 +230,6 @@ def _resolve_raw_paths(
             what = "is a directory, not a file" if path.is_dir() else "does not exist"
             raise RawDataError(f"{spec.name} raw file {path} {what}")
     return paths
-
-
-def _fingerprint(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
-    # A JSON round trip, so fresh parameters compare equal to the ones read back from done.json.
-    return json.loads(json.dumps(params, sort_keys=True))
 
 
 def _stats(frame: pd.DataFrame) -> dict[str, int]:
@@ -266,27 +242,20 @@ def _stats(frame: pd.DataFrame) -> dict[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the process exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m recforge.data.sessions.preprocess",
-        description="Preprocess a raw public session dataset into the GRU4Rec text format "
+    parser = data_command_parser(
+        "recforge.data.sessions.preprocess",
+        "Preprocess a raw public session dataset into the GRU4Rec text format "
         "(train_full, test, train_tr, train_valid) as spec §1.9 describes.",
-    )
-    parser.add_argument("dataset", choices=sorted(DATASETS))
-    parser.add_argument(
-        "--raw", nargs="+", required=True,
-        help="raw file(s) in order (yoochoose: clicks then test; rees46: months in order), "
+        "raw file(s) in order (yoochoose: clicks then test; rees46: months in order), "
         "or a directory holding them under their public names",
+        DATASETS,
     )
-    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--test-days", type=float, help="test period in days")
     parser.add_argument("--min-item-support", type=int, help="minimum events per item (5)")
     parser.add_argument("--tsplit", type=float, help="split time, in the data's time unit")
     parser.add_argument("--session-gap-seconds", type=float, help="inactivity gap (3600)")
     parser.add_argument("--chunksize", type=int, default=_DEFAULT_CHUNKSIZE, help="rows per chunk")
-    parser.add_argument("--force", action="store_true", help="redo even if up to date")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-
     given = {
         "test_days": args.test_days,
         "min_item_support": args.min_item_support,
@@ -294,14 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "session_gap_seconds": args.session_gap_seconds,
     }
     overrides = {key: value for key, value in given.items() if value is not None}
-    try:
-        paths = prepare(
-            args.dataset, args.raw, args.out, force=args.force, chunksize=args.chunksize,
-            **overrides,
-        )
-    except ValueError as exc:  # RawDataError included
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    paths = run_data_command(lambda: prepare(
+        args.dataset, args.raw, args.out, force=args.force, chunksize=args.chunksize, **overrides,
+    ))
     stats = (read_marker(args.out) or {}).get("stats", {})
     for name, path in paths.items():
         counts = stats.get(name, {})
