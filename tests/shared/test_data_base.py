@@ -9,11 +9,16 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import CONF_DIR
+
 from recforge.config_values import ConfigValueError, Range, checks_ranges
 from recforge.contracts import DataModule, Task
-from recforge.data.base import GeneratedData, RecDataModule, item_map_identity, item_map_mismatch
+from recforge.data.base import (
+    GeneratedData,
+    RecDataModule,
+    item_map_identity,
+    item_map_mismatch,
+)
 from recforge.data.resumable import ResumesInsideEpoch
 from recforge.data.sessions.datamodule import SessionDataModule
 from recforge.errors import UserInputError
@@ -117,9 +122,9 @@ def test_the_check_waits_for_the_data_when_its_identity_is_not_known_yet():
 
 
 def test_a_session_module_checks_its_item_map_once_when_it_reads_it(tmp_path):
-    from recforge.data.sessions.io import write_session_file
-
     import pandas as pd
+
+    from recforge.data.sessions.io import write_session_file
 
     path = tmp_path / "train.txt"
     write_session_file(pd.DataFrame([(1, "a", 1.0), (1, "b", 2.0)], columns=["SessionId", "ItemId", "Time"]), path)

@@ -7,13 +7,21 @@ from typing import Annotated, Any, Literal
 
 from recforge.config_values import Range, checks_ranges
 from recforge.contracts import CatalogueInputs
-from recforge.data.base import GeneratedData, RecDataModule, item_map_identity, item_map_mismatch
+from recforge.data.base import (
+    GeneratedData,
+    RecDataModule,
+    item_map_identity,
+    item_map_mismatch,
+)
 from recforge.data.batches import SessionStep
 from recforge.data.sessions.datasets import GroupedSteps, SessionParallelSteps
 from recforge.data.sessions.io import SessionFileError, read_session_file, sort_sessions
 from recforge.data.sessions.parallel import count_steps
 from recforge.data.sessions.store import ItemCatalog, SessionArrays
-from recforge.data.sessions.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
+from recforge.data.sessions.synthetic import (
+    SyntheticSessionsConfig,
+    write_synthetic_dataset,
+)
 from recforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
