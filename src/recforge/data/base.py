@@ -23,8 +23,6 @@ from recforge.errors import UserInputError
 
 __all__ = ["GeneratedData", "RecDataModule", "item_map_identity", "item_map_mismatch"]
 
-log = logging.getLogger(__name__)
-
 EvalSplit = Literal["val", "test"]
 
 
@@ -149,7 +147,10 @@ class GeneratedData:
             raise UserInputError(f"data.generator: {error}") from None
         where, kwargs = self.generate(Path(cache_dir), kwargs)
         super().__init__(**kwargs)
-        log.info("synthetic %s %s in %s", self.describes, asdict(self.generator), where)
+        # logged as the family's module, where a user filtering its log looks for it
+        logging.getLogger(type(self).__module__).info(
+            "synthetic %s %s in %s", self.describes, asdict(self.generator), where
+        )
 
     def generate(self, cache_dir: Path, kwargs: dict[str, Any]) -> tuple[Path, Mapping[str, Any]]:
         """Write the data under ``cache_dir`` unless it is there: (its directory, the module's
