@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     rates: dict[str, list[float]] = {f"batch {b}, workers {w}": [] for b, w in loaders}
     for repeat in range(args.repeats):
         for (b, w), loader in loaders.items():
-            loader.dataset.set_epoch(repeat)
+            loader.sampler.set_epoch(repeat)  # the stream: no trainer sets it here
             start = time.perf_counter()
             seen = sum(batch.size for batch in loader)
             rates[f"batch {b}, workers {w}"].append(seen / (time.perf_counter() - start))

@@ -188,7 +188,7 @@ def datasets(args) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
         else:
             found["yoochoose"] = (str(train), str(test))
     if "synthetic" in args.datasets:
-        from recforge.data.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
+        from recforge.data.sessions.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
 
         gen = SyntheticSessionsConfig(n_items=args.synthetic_items, n_sessions=args.synthetic_sessions)
         t0 = time.perf_counter()

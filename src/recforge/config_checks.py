@@ -7,6 +7,8 @@ read from the config directory. Adding a family adds classes with declarations, 
 """
 from __future__ import annotations
 
+import inspect
+import typing
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +80,17 @@ def _drives(task_cls: type, model_cls: type) -> bool:
     return any(declares(model_cls, c) for c in accepted_contracts(task_cls))
 
 
+def _task_inputs(data_cls: type) -> list[str]:
+    """The task arguments a data module provides: the keys of its ``task_inputs()`` TypedDict."""
+    return list(typing.get_type_hints(typing.get_type_hints(data_cls.task_inputs)["return"]))
+
+
+def _unknown_inputs(data_cls: type, task_cls: type) -> list[str]:
+    """The arguments ``data_cls`` hands a task that ``task_cls``'s constructor does not take."""
+    params = inspect.signature(task_cls).parameters
+    return [key for key in _task_inputs(data_cls) if key not in params]
+
+
 def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] | None = None) -> None:
     """Raise :class:`IncompatibleConfigError` naming the combination and what is allowed."""
     choices = choices or {}
@@ -107,6 +120,10 @@ def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] |
     if batch_in is not batch_out:
         refuse("data", f"the model trains on {_name(batch_in)} batches but the data yields {_name(batch_out)}",
                lambda d: getattr(d, "batch_type", None) is batch_in)
+    unknown = _unknown_inputs(data_cls, task_cls)
+    if unknown:
+        refuse("data", f"the data hands the task {', '.join(unknown)}, which {_name(task_cls)} does not take",
+               lambda d: getattr(d, "batch_type", None) is batch_in and not _unknown_inputs(d, task_cls))
     produces, consumes = getattr(task_cls, "produces", None), getattr(loss_cls, "consumes", None)
     if produces != consumes:
         refuse("loss", f"the model produces {produces} scores but the loss expects {consumes}",

@@ -7,6 +7,7 @@ is allowed, not in a traceback from deep inside the build that names some derive
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import types
@@ -20,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recforge.errors import UserInputError
 
-__all__ = ["ConfigValueError", "Range", "check_config_values"]
+__all__ = ["ConfigValueError", "Range", "check_config_values", "checks_ranges"]
 
 
 class ConfigValueError(UserInputError):
@@ -240,3 +241,31 @@ def check_config_values(cfg: DictConfig) -> None:
                 raise ConfigValueError(
                     f"{_source_key(node, key, path)}={_shown(value)}: expected {_expected(params[key])}"
                 )
+
+
+def _ranged(annotation: Any) -> bool:
+    """Whether an annotation bounds its value: ``Annotated[int, Range(...)]``, optionally ``| None``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return any(isinstance(a, Range) for a in args[1:])
+    return origin in (typing.Union, types.UnionType) and any(_ranged(a) for a in args)
+
+
+def checks_ranges(path: str) -> Callable[[Callable], Callable]:
+    """Decorator: a direct call (a test, a benchmark, a subclass) has its ``Range``-annotated
+    arguments checked as a config's are, in the same words, ``path`` naming the config node."""
+
+    def decorate(function: Callable) -> Callable:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            hints = _hints(function)  # here: the names an annotation uses exist once it is called
+            for name, value in signature.bind(*args, **kwargs).arguments.items():
+                if _ranged(hints.get(name)) and not _fits(value, hints[name]):
+                    raise ConfigValueError(f"{path}.{name}={_shown(value)}: expected {_expected(hints[name])}")
+            return function(*args, **kwargs)
+
+        return checked
+
+    return decorate

@@ -8,6 +8,8 @@ Every edge of an experiment is one declaration on each side, compared by
 edge                  declared by the producer                   declared by the consumer
 ====================  =========================================  ======================================
 data -> task          ``DataModule.batch_type``                  ``Task.batch_type``
+data -> task          ``DataModule.task_inputs`` return type     the task's ``__init__`` parameters
+                      (a TypedDict below: the keys)
 task -> model         ``Model.implements`` (Protocols below)     ``Task.model_contract``
 task -> loss          ``Task.produces`` (a score layout)         ``Loss.consumes``
 task -> evaluation    ``Task.evaluation_kind``                   ``Evaluation.kind``
@@ -19,11 +21,17 @@ A model's ``implements`` is a promise checked structurally by the tests (an inst
 instance of each runtime-checkable Protocol it names). A task that can drive models of more than
 one contract declares them all (``model_contract`` a tuple) and asks :func:`declares` which one
 it holds; it never guesses from attributes.
+
+What the pipeline and the data modules read of each other at run time is declared too:
+:class:`DataModule` (what a data module offers) and :class:`Task` (what the data reads of the
+task it feeds).
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Protocol, TypedDict, runtime_checkable
 
+import numpy as np
 import torch
 
 # Score layouts a task hands its loss.
@@ -36,6 +44,70 @@ SEQUENCE_POSITIONS = "sequence_positions"
 and the item table: a softmax over the positive and negatives per position (SASRec/HSTU)."""
 CTR_LOGITS = "ctr_logits"
 """``[B]`` click logits against ``[B]`` labels (DLRM)."""
+
+
+# What a data module hands the task it feeds (keyword arguments of the task's constructor).
+class CatalogueInputs(TypedDict):
+    """Next-item data: ``n_items`` (item indices are ``[0, n_items)``) and ``item_popularity``
+    ``[n_items]`` int64, the training split's events per item."""
+
+    n_items: int
+    item_popularity: np.ndarray
+
+
+class HistoryInputs(CatalogueInputs):
+    """User histories: the catalogue, and ``max_seq_len``, the most recent items a history keeps."""
+
+    max_seq_len: int
+
+
+class CTRInputs(TypedDict):
+    """Criteo-shaped rows: ``cardinalities`` (one table size per categorical feature) and
+    ``n_dense``, the width of the dense features."""
+
+    cardinalities: list[int]
+    n_dense: int
+
+
+@runtime_checkable
+class DataModule(Protocol):
+    """A data module, as the pipeline and the config check use it (:class:`recforge.data.base.RecDataModule`).
+
+    ``batch_type``: the batch its loaders yield. ``has_validation``: whether it has a validation
+    split (without one, ``val_dataloader()`` is empty and the run neither validates nor monitors).
+    ``task_inputs()``: the task's constructor arguments it provides, its return type one of the
+    TypedDicts above. ``train_dataloader()`` resumes inside an epoch (its state travels in
+    checkpoints); ``state_dict()`` is the data's identity, checked by ``load_state_dict``.
+    """
+
+    batch_type: ClassVar[type]
+
+    @property
+    def has_validation(self) -> bool: ...
+
+    def task_inputs(self) -> Mapping[str, Any]: ...
+
+    def train_dataloader(self) -> Iterable: ...
+
+    def val_dataloader(self) -> Iterable: ...
+
+    def test_dataloader(self) -> Iterable: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What a data module reads of the task it feeds (:class:`recforge.tasks.base.RecTask`).
+
+    ``min_batch_rows``: the fewest rows a training mini-batch may have for its loss to learn
+    (2 when a mini-batch's own targets are its only negatives); a loader that cuts batches of
+    varying size (session-parallel) never yields fewer.
+    """
+
+    min_batch_rows: int
 
 
 @runtime_checkable

@@ -32,6 +32,7 @@ from recforge.checkpoints import (
 )
 from recforge.config_checks import CONF_DIR, check_combination, warn_renamed_options
 from recforge.config_values import check_config_values
+from recforge.contracts import DataModule
 from recforge.errors import UserInputError
 from recforge.runs import write_metrics
 from recforge.utils.atomic import atomic_write_text
@@ -70,13 +71,13 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
         raise
 
 
-def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+def build(cfg: DictConfig) -> tuple[DataModule, L.LightningModule]:
     """Check the config, then instantiate the data module and the task it feeds."""
     check_config(cfg)
     return _build(cfg)
 
 
-def _build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+def _build(cfg: DictConfig) -> tuple[DataModule, L.LightningModule]:
     """Instantiate the data module and the task (model, loss, optimizer, metrics) it feeds."""
     datamodule = _instantiate(cfg.data)
     # _convert_: plain containers in the task's hyper-parameters keep checkpoints loadable with
@@ -89,13 +90,14 @@ def _build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
         optimizer=_instantiate(cfg.optimizer),
         evaluation=_instantiate(cfg.evaluation),
         # what the task must know about the data (catalogue size, popularity, ...): each data
-        # module says, so build() stays the same for every model family
+        # module says (keys checked against the task's arguments by check_combination), so
+        # build() stays the same for every model family
         **datamodule.task_inputs(),
     )
     return datamodule, task
 
 
-def _read_inputs(datamodule: L.LightningDataModule, fit: bool, test: bool) -> None:
+def _read_inputs(datamodule: DataModule, fit: bool, test: bool) -> None:
     # Every configured file is read (and refused, if bad) before training, not after it.
     if fit:
         datamodule.setup("fit")
@@ -208,7 +210,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule, task = _build(cfg)
     do_fit, do_test = cfg.get("train", True), cfg.get("test", True)
     _read_inputs(datamodule, do_fit, do_test)
-    has_validation = getattr(datamodule, "has_validation", True)
+    has_validation = datamodule.has_validation
     callbacks = _callbacks(cfg, has_validation)
     if do_fit:
         _check_stops(cfg, callbacks)

@@ -128,7 +128,7 @@ def test_synthetic_module_uses_the_tuning_protocol(tmp_path):
 @pytest.mark.slow
 def test_raw_dataset_is_preprocessed_and_trained_from_config(tmp_path, make_cfg):
     """data=retailrocket data.raw_path=events.csv: preprocess once, then train and test on it."""
-    from recforge.data.synthetic import SyntheticSessionsConfig, generate_sessions
+    from recforge.data.sessions.synthetic import SyntheticSessionsConfig, generate_sessions
     from recforge.pipeline import train
 
     sessions = generate_sessions(SyntheticSessionsConfig(n_items=60, n_sessions=600, days=20, seed=5))

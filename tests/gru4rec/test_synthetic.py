@@ -1,4 +1,4 @@
-"""Tests for the synthetic session generator (recforge.data.synthetic)."""
+"""Tests for the synthetic session generator (recforge.data.sessions.synthetic)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from recforge.data.sessions.io import read_session_file
-from recforge.data.synthetic import (
+from recforge.data.sessions.synthetic import (
     SyntheticSessionsConfig,
     generate_sessions,
     split_by_time,
@@ -175,7 +175,7 @@ def test_write_dataset_splits_and_caches(tmp_path: Path, monkeypatch: pytest.Mon
     past = time.time_ns() - 10**10
     for p in paths.values():
         os.utime(p, ns=(past, past))
-    import recforge.data.synthetic as synthetic
+    import recforge.data.sessions.synthetic as synthetic
 
     with monkeypatch.context() as patch:
         patch.setattr(synthetic, "generate_sessions", _must_not_regenerate)
@@ -204,7 +204,7 @@ def test_write_dataset_repairs_an_incomplete_cache(tmp_path: Path) -> None:
 def test_write_dataset_defers_to_a_concurrent_writer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import recforge.data.synthetic as synthetic
+    import recforge.data.sessions.synthetic as synthetic
 
     real_generate = synthetic.generate_sessions
     generating, release = threading.Event(), threading.Event()

@@ -12,7 +12,7 @@ from hydra.utils import get_class, instantiate
 from conftest import CONF_DIR, REPO_ROOT
 from recforge.config_checks import IncompatibleConfigError, check_combination
 from recforge.data.sessions.io import write_session_file
-from recforge.data.synthetic import SyntheticSessionsConfig, generate_sessions, split_by_time
+from recforge.data.sessions.synthetic import SyntheticSessionsConfig, generate_sessions, split_by_time
 from recforge.pipeline import build
 
 

@@ -1,7 +1,7 @@
-"""Training loaders that resume inside an epoch.
+"""The training loader of every data module: it resumes inside an epoch.
 
 A checkpoint saved inside an epoch (``every_n_train_steps``, a SLURM requeue) holds the model,
-the optimizer and Lightning's count of the batches trained in that epoch, but a plain DataLoader
+the optimizer and Lightning's count of the batches trained in that epoch, but a plain loader
 starts the epoch over. A loader with ``state_dict`` / ``load_state_dict`` has its state kept in
 the checkpoint by Lightning: :class:`ResumesInsideEpoch` records (epoch, batches trained) there,
 and the resumed run's first pass skips that many batches of the same epoch's order. This is exact
@@ -11,28 +11,55 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Protocol
 
-__all__ = ["ResumesInsideEpoch", "fit_progress"]
+__all__ = ["Batches", "EpochOrdered", "ResumesInsideEpoch"]
 
 Progress = Callable[[], "tuple[int, int] | None"]
 
 
-def fit_progress(trainer: Any) -> tuple[int, int] | None:
-    """``(epoch, batches whose training step ran in it)`` of ``trainer``'s fit, or None without one."""
-    loop = getattr(trainer, "fit_loop", None)
-    if loop is None:
-        return None
-    return int(loop.epoch_progress.current.processed), int(loop.epoch_loop.batch_progress.current.processed)
+class EpochOrdered(Protocol):
+    """What orders the batches of a pass by epoch: a sampler, a stream."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+class Batches(Protocol):
+    """One epoch of training batches, counted (a DataLoader, a sized iterable dataset)."""
+
+    def __iter__(self) -> Iterator: ...
+
+    def __len__(self) -> int: ...
 
 
 class ResumesInsideEpoch:
-    """Mixin for a training DataLoader: ``state_dict`` is ``progress()`` at save time;
-    :meth:`skip_trained` drops the batches a loaded state says were trained, once, in the epoch it
-    names."""
+    """The training loader over ``batches``, resumable inside an epoch.
 
-    _progress: Progress | None = None
+    When a pass starts, ``progress()`` gives the fit's (epoch, batches trained in it), or None
+    outside a fit; ``sampler`` (what orders the batches, if the epoch does) is told that epoch, and
+    :meth:`skip_trained` drops, once, the batches a loaded state says were trained in it.
+    ``state_dict`` is ``progress()`` at save time. Lightning finds ``sampler`` as it finds a
+    DataLoader's, and sets the same epoch on it before each epoch.
+    """
+
     _resume_at: tuple[int, int] | None = None
+
+    def __init__(self, batches: Batches, progress: Progress, sampler: EpochOrdered | None = None) -> None:
+        self.batches = batches
+        self.sampler = sampler
+        self._progress = progress
+
+    def __iter__(self) -> Iterator:
+        # A generator: Lightning calls iter() once to see that the loader iterates, which must
+        # neither start workers nor use up the resume state; the pass starts at the first batch.
+        progress = self._progress()
+        epoch = None if progress is None else progress[0]
+        if epoch is not None and self.sampler is not None:
+            self.sampler.set_epoch(epoch)  # before the pass starts its workers, which copy the dataset
+        yield from self.skip_trained(iter(self.batches), epoch, len(self.batches))
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
     def state_dict(self) -> dict:
         progress = self._progress() if self._progress is not None else None

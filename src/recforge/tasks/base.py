@@ -29,7 +29,8 @@ class RecTask(L.LightningModule):
     Declarations a subclass makes (read by the config check before anything is built; see
     :mod:`recforge.contracts`): ``batch_type`` (the batch it trains on), ``model_contract``
     (the Protocol its model implements, or a tuple of those it can drive), ``produces`` (the
-    score layout its loss consumes), ``evaluation_kind`` (the evaluation it feeds).
+    score layout its loss consumes), ``evaluation_kind`` (the evaluation it feeds). The data reads
+    ``min_batch_rows`` (:class:`recforge.contracts.Task`).
 
     Args:
         optimizer: factory ``(params) -> torch.optim.Optimizer``.
@@ -46,6 +47,8 @@ class RecTask(L.LightningModule):
     model_contract: ClassVar[type | tuple[type, ...]]
     produces: ClassVar[str]
     evaluation_kind: ClassVar[str]
+    # read by the data (recforge.contracts.Task): any batch size unless the loss says otherwise
+    min_batch_rows: int = 1
 
     def __init__(
         self,

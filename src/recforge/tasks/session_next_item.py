@@ -107,7 +107,7 @@ class SessionNextItemTask(RecTask):
 
     # ------------------------------------------------------------------ resuming inside an epoch
     # A checkpoint saved inside an epoch carries the hidden state of the sessions in flight; the
-    # resumed run's loader skips the steps already trained (data.sessions' _TrainSteps) and the
+    # resumed run's loader skips the steps already trained (data.base's resumable loader) and the
     # next step continues those sessions as an uninterrupted run would. Under DDP each rank holds
     # other sessions and the checkpoint only rank 0's, so there they restart from zero.
     def on_save_checkpoint(self, checkpoint: dict) -> None:

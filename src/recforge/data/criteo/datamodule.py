@@ -34,18 +34,18 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
-import lightning as L
 import numpy as np
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from recforge.config_values import Range
+from recforge.config_values import Range, checks_ranges
+from recforge.contracts import CTRInputs
+from recforge.data.base import GeneratedData, RecDataModule
 from recforge.data.batches import CTRBatch
 from recforge.data.criteo.multi_hot import MLPERF_BAG_SIZES, MultiHot
 from recforge.data.criteo.prepared import (
@@ -59,7 +59,7 @@ from recforge.data.criteo.prepared import (
     read_metadata,
     split_files,
 )
-from recforge.data.resumable import ResumesInsideEpoch, fit_progress
+from recforge.data.criteo.synthetic import SyntheticCriteoConfig, check_split, ensure_synthetic_criteo
 from recforge.errors import UserInputError
 
 __all__ = ["Chunk", "CriteoDataModule", "CriteoStream", "SyntheticCriteoDataModule", "scan_split"]
@@ -337,34 +337,20 @@ class CriteoStream(IterableDataset):
                 return
 
 
-class _EpochLoader(ResumesInsideEpoch, DataLoader):
-    """A DataLoader that tells its stream the trainer's epoch before each pass, cuts the stream's
-    items back into batches, and (the training loader, given ``progress``) resumes inside an epoch
-    (:class:`~recforge.data.resumable.ResumesInsideEpoch`).
+class _StreamLoader(DataLoader):
+    """A DataLoader of a :class:`CriteoStream` that cuts the stream's items back into batches.
 
-    Lightning sets the epoch on a loader's *sampler*, which an iterable dataset does not have;
-    workers copy the dataset when the pass starts (they are not persistent for this reason),
-    so the epoch must be set before that.
+    Its workers copy the stream when a pass starts (they are not persistent for this reason), so
+    the epoch is set on the stream before that: the training loader has the stream as its
+    sampler (:meth:`~recforge.data.base.RecDataModule.resumable`).
     """
 
-    def __init__(
-        self,
-        dataset: CriteoStream,
-        epoch: Callable[[], int | None],
-        progress: Callable[[], tuple[int, int] | None] | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(dataset, batch_size=None, **kwargs)
-        self._epoch = epoch
-        self._progress = progress
+    def __init__(self, stream: CriteoStream, num_workers: int) -> None:
+        super().__init__(stream, batch_size=None, num_workers=num_workers)
 
-    def __iter__(self):
-        epoch = self._epoch()
-        if epoch is not None:
-            self.dataset.set_epoch(epoch)
+    def __iter__(self) -> Iterator[CTRBatch]:
         items = super().__iter__()
-        batches = items if self.dataset.group == 1 else self._batches(items)
-        return self.skip_trained(batches, epoch, len(self.dataset))
+        return items if self.dataset.group == 1 else self._batches(items)
 
     def _batches(self, items: Iterator[CTRBatch]) -> Iterator[CTRBatch]:
         b = self.dataset.batch_size
@@ -373,13 +359,7 @@ class _EpochLoader(ResumesInsideEpoch, DataLoader):
                 yield item.rows(s, s + b)
 
 
-def _int(key: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise UserInputError(f"data.{key}={value!r}: expected an integer >= {low}")
-    return value
-
-
-class CriteoDataModule(L.LightningDataModule):
+class CriteoDataModule(RecDataModule):
     """Criteo rows from a prepared directory (:mod:`recforge.data.criteo.prepared`), streamed.
 
     Given ``prepared_dir``, it must be complete (its ``metadata.json`` written). Given
@@ -403,6 +383,7 @@ class CriteoDataModule(L.LightningDataModule):
 
     batch_type = CTRBatch
 
+    @checks_ranges("data")
     def __init__(
         self,
         prepared_dir: str | None = None,
@@ -425,10 +406,10 @@ class CriteoDataModule(L.LightningDataModule):
                                  f"distribution, seed, got {multi_hot!r}")
         self.multi_hot_config = None if multi_hot is None else dict(multi_hot)
         self._multi_hot: MultiHot | None = None
-        self.batch_size = _int("batch_size", batch_size, 1)
-        self.eval_batch_size = _int("eval_batch_size", eval_batch_size, 1)
-        self.num_workers = _int("num_workers", num_workers, 0)
-        self.shuffle_buffer = _int("shuffle_buffer", shuffle_buffer, 0)
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.shuffle_buffer = shuffle_buffer
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         if raw_path is not None:
@@ -450,7 +431,6 @@ class CriteoDataModule(L.LightningDataModule):
         self.prepared_dir = str(prepared_dir)
         self._meta: dict[str, Any] | None = None
         self._chunks: dict[str, list[Chunk]] = {}
-        self._checkpoint_state: dict | None = None
 
     @staticmethod
     def _prepare(raw_path: str | list[str], cache_dir: str, params: dict) -> Path:
@@ -473,7 +453,7 @@ class CriteoDataModule(L.LightningDataModule):
                 self._meta = read_metadata(self.prepared_dir)
             except PreparedDataError as error:
                 raise PreparedDataError(f"data.prepared_dir: {error}") from None
-            self._check_checkpoint()
+            self.check_identity()
         return self._meta
 
     @property
@@ -491,7 +471,7 @@ class CriteoDataModule(L.LightningDataModule):
             self._multi_hot = MultiHot.from_config(self.multi_hot_config, self.cardinalities)
         return self._multi_hot
 
-    def task_inputs(self) -> dict:
+    def task_inputs(self) -> CTRInputs:
         """What the CTR task takes from the data: the 26 table sizes and the dense width."""
         _ = self.multi_hot  # a bad data.multi_hot fails here, at start
         return {"cardinalities": self.cardinalities, "n_dense": N_DENSE}
@@ -519,18 +499,6 @@ class CriteoDataModule(L.LightningDataModule):
             self.chunks("test")
 
     # ---------------------------------------------------------------- loaders
-    def _rank(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
-    def _epoch(self) -> int | None:
-        # The epoch Lightning hands to samplers' set_epoch; read when a pass starts, after a
-        # resumed run has restored its loops.
-        trainer = self.trainer
-        return None if trainer is None else int(trainer.fit_loop.epoch_progress.current.processed)
-
     def stream(self, split: str, rank: int = 0, world_size: int = 1, group: int = 1) -> CriteoStream:
         """Rank ``rank``'s stream of ``split``: training shares and order for ``train``,
         evaluation's for the others (``group``: see :class:`CriteoStream`)."""
@@ -555,14 +523,8 @@ class CriteoDataModule(L.LightningDataModule):
         # tensors are made once per item rather than per batch. Both read the same batches.
         return max(1, ITEM_ROWS // batch_size)
 
-    def _fit_progress(self) -> tuple[int, int] | None:
-        return fit_progress(self.trainer)
-
-    def _loader(self, stream: CriteoStream, progress: Callable[[], tuple[int, int] | None] | None = None) -> DataLoader:
-        return _EpochLoader(stream, self._epoch, progress, num_workers=self.num_workers)
-
-    def train_dataloader(self) -> DataLoader:
-        rank, world = self._rank()
+    def train_dataloader(self):
+        rank, world = self.rank_and_world()
         stream = self.stream("train", rank, world, self._group(self.batch_size))
         if stream.n_batches == 0:
             raise UserInputError(
@@ -577,45 +539,40 @@ class CriteoDataModule(L.LightningDataModule):
                 stream.n_rows - stream.left_out, stream.n_rows, world, stream.n_batches, self.batch_size,
                 ", the last partial batch dropped" if self.drop_last else "", stream.left_out,
             )
-        return self._loader(stream, self._fit_progress)
+        return self.resumable(_StreamLoader(stream, self.num_workers), stream)
 
-    def val_dataloader(self):
-        if not self.has_validation:
-            return []
-        return self._loader(self.stream("valid", *self._rank(), self._group(self.eval_batch_size)))
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.stream("test", *self._rank(), self._group(self.eval_batch_size)))
+    def eval_dataloader(self, split: str) -> DataLoader:
+        name = "valid" if split == "val" else split
+        stream = self.stream(name, *self.rank_and_world(), self._group(self.eval_batch_size))
+        return _StreamLoader(stream, self.num_workers)
 
     # ---------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict:
-        """The table sizes travel with the checkpoint, so that its embeddings meet the data they
-        were trained for; the split sizes say which data that was."""
+    def identity(self) -> dict:
+        """The table sizes, so that a checkpoint's embeddings meet the data they were trained for,
+        and the split sizes, which say which data that was (not compared: other rows of the same
+        tables are fine)."""
         meta = self.metadata
         return {"cardinalities": list(meta["cardinalities"]),
                 "rows": {s: int(info.get("rows", 0)) for s, info in meta["splits"].items()}}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._checkpoint_state = dict(state_dict)
-        if self._meta is not None:
-            self._check_checkpoint()
+    def identity_known(self) -> bool:
+        # the metadata is read at setup, and checks the identity then
+        return self._meta is not None
 
-    def _check_checkpoint(self) -> None:
-        state = self._checkpoint_state
-        if state is None or self._meta is None:
-            return
-        mine = list(self._meta["cardinalities"])
-        theirs = list(state.get("cardinalities", mine))
-        if theirs != mine:
-            differ = [f"C{f + 1}: {a} vs {b}" for f, (a, b) in enumerate(zip(theirs, mine)) if a != b]
-            raise UserInputError(
-                f"the checkpoint was trained on other tables than data.prepared_dir={self.prepared_dir} "
-                f"holds ({'; '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}): point "
-                "data.prepared_dir at that run's data"
-            )
+    def identity_mismatch(self, theirs: dict, mine: dict) -> str | None:
+        tables = mine["cardinalities"]
+        trained = list(theirs.get("cardinalities", tables))  # older checkpoints may not say
+        if trained == tables:
+            return None
+        differ = [f"C{f + 1}: {a} vs {b}" for f, (a, b) in enumerate(zip(trained, tables)) if a != b]
+        return (
+            f"other tables than data.prepared_dir={self.prepared_dir} holds "
+            f"({'; '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}): point data.prepared_dir at that "
+            "run's data"
+        )
 
 
-class SyntheticCriteoDataModule(CriteoDataModule):
+class SyntheticCriteoDataModule(GeneratedData, CriteoDataModule):
     """Criteo-shaped rows from the synthetic click model (:mod:`recforge.data.criteo.synthetic`),
     generated once into ``cache_dir/<hash of generator and split>/`` and reused.
 
@@ -625,6 +582,9 @@ class SyntheticCriteoDataModule(CriteoDataModule):
     probabilities' test metrics: the best any model of this data can reach.
     """
 
+    generator_config = SyntheticCriteoConfig
+    describes = "Criteo"
+
     def __init__(
         self,
         cache_dir: str,
@@ -632,22 +592,17 @@ class SyntheticCriteoDataModule(CriteoDataModule):
         split: Sequence[Annotated[float, Range(ge=0, le=1)]] = (0.7, 0.2, 0.1),
         **kwargs,
     ) -> None:
-        from recforge.data.criteo.synthetic import SyntheticCriteoConfig, check_split, ensure_synthetic_criteo
-
         if kwargs.get("prepared_dir") is not None or kwargs.get("raw_path") is not None:
             raise UserInputError(
                 "data.prepared_dir and data.raw_path are not for synthetic data: it is generated into data.cache_dir"
             )
         kwargs = {k: v for k, v in kwargs.items() if k not in ("prepared_dir", "raw_path")}
         try:
-            self.generator = SyntheticCriteoConfig(**(generator or {}))
-        except (TypeError, ValueError) as error:
-            raise UserInputError(f"data.generator: {error}") from None
-        try:
-            split = check_split(split)
+            self.synthetic_split = list(check_split(split))
         except (TypeError, ValueError) as error:
             raise UserInputError(f"data.split: {error}") from None
-        path = ensure_synthetic_criteo(self.generator, cache_dir, split)
-        super().__init__(prepared_dir=str(path), **kwargs)
-        self.synthetic_split = list(split)
-        log.info("synthetic Criteo %s in %s", asdict(self.generator), path)
+        super().__init__(cache_dir, generator, **kwargs)
+
+    def generate(self, cache_dir: Path, kwargs: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+        path = ensure_synthetic_criteo(self.generator, cache_dir, self.synthetic_split)
+        return path, {**kwargs, "prepared_dir": str(path)}

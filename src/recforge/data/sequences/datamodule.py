@@ -1,19 +1,17 @@
 """LightningDataModule for user histories: jagged :class:`HistoryBatch` es for SASRec / HSTU."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-import lightning as L
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from recforge.config_values import Range
+from recforge.config_values import Range, checks_ranges
+from recforge.contracts import HistoryInputs
+from recforge.data.base import GeneratedData, RecDataModule, item_map_identity, item_map_mismatch
 from recforge.data.batches import HistoryBatch
 from recforge.data.sequences.prepared import Histories, PreparedDataError, load_prepared, read_marker
 from recforge.data.sequences.splits import (
@@ -25,7 +23,7 @@ from recforge.data.sequences.splits import (
     concat_ranges,
     protocol_splits,
 )
-from recforge.data.resumable import ResumesInsideEpoch, fit_progress
+from recforge.data.sequences.synthetic import SyntheticHistoriesConfig, write_synthetic_histories
 from recforge.errors import UserInputError
 
 __all__ = ["HistoryDataModule", "SyntheticHistoryDataModule"]
@@ -49,20 +47,7 @@ class _EvalShard(DistributedSampler):
         return len(self._rows)
 
 
-class _TrainLoader(ResumesInsideEpoch, DataLoader):
-    """The training DataLoader, resumable inside an epoch (its order is the sampler's, a function
-    of (seed, epoch)): see :class:`~recforge.data.resumable.ResumesInsideEpoch`."""
-
-    def __init__(self, progress, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._progress = progress
-
-    def __iter__(self):
-        progress = self._progress()
-        return self.skip_trained(super().__iter__(), None if progress is None else progress[0], len(self))
-
-
-class HistoryDataModule(L.LightningDataModule):
+class HistoryDataModule(RecDataModule):
     """User histories from a prepared directory (:mod:`recforge.data.sequences.prepared`).
 
     Given ``ratings_path`` (and ``dataset``), the raw ratings (plus ``items_path``, the movies
@@ -85,6 +70,7 @@ class HistoryDataModule(L.LightningDataModule):
 
     batch_type = HistoryBatch
 
+    @checks_ranges("data")
     def __init__(
         self,
         prepared_dir: str | None = None,
@@ -106,11 +92,6 @@ class HistoryDataModule(L.LightningDataModule):
             raise UserInputError(
                 f"data.exclude={exclude!r}: expected one of {', '.join(EXCLUDE_POLICIES)}"
             )
-        for key, value, low in (("max_seq_len", max_seq_len, 1), ("batch_size", batch_size, 1),
-                                ("eval_batch_size", eval_batch_size, 1),
-                                ("num_workers", num_workers, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise UserInputError(f"data.{key}={value!r}: expected an integer >= {low}")
         if prepared_dir is None:
             raise UserInputError(
                 "data.prepared_dir is not set: point it at a prepared directory, or set it with "
@@ -130,7 +111,6 @@ class HistoryDataModule(L.LightningDataModule):
         self._histories: Histories | None = None
         self._splits: dict[str, HistoryRows] | None = None
         self._popularity: np.ndarray | None = None
-        self._checkpoint_state: dict | None = None
 
     @staticmethod
     def _prepare(dataset, ratings_path, items_path, prepared_dir, overrides) -> None:
@@ -162,7 +142,7 @@ class HistoryDataModule(L.LightningDataModule):
                 raise PreparedDataError(
                     f"{error}, or set data.ratings_path=<the raw ratings file> to prepare it on first use"
                 ) from error
-            self._check_item_map()
+            self.check_identity()
         return self._histories
 
     @property
@@ -211,7 +191,7 @@ class HistoryDataModule(L.LightningDataModule):
             self._popularity = np.bincount(seen, minlength=self.n_items).astype(np.int64)
         return self._popularity
 
-    def task_inputs(self) -> dict:
+    def task_inputs(self) -> HistoryInputs:
         """What a task takes from the data: catalogue size, popularity, history length."""
         return {
             "n_items": self.n_items,
@@ -230,12 +210,6 @@ class HistoryDataModule(L.LightningDataModule):
         self.splits  # noqa: B018 - reads the prepared data and cuts the splits now
 
     # ---------------------------------------------------------------- loaders
-    def _rank(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def _loader(self, dataset: RowDataset, **kwargs) -> DataLoader:
         workers = self.num_workers
         return DataLoader(
@@ -246,85 +220,43 @@ class HistoryDataModule(L.LightningDataModule):
             **kwargs,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        # The order is a function of (seed, epoch), set by Lightning before every epoch: a resumed
-        # run sees the users in the order an uninterrupted one would, and each DDP rank its share
-        # (a DistributedSampler, so Lightning keeps it rather than wrapping it). A run resumed
-        # inside an epoch skips the batches of it already trained (_TrainLoader).
+    def train_dataloader(self):
+        # The order is a function of (seed, epoch), the epoch set before every pass: a resumed run
+        # sees the users in the order an uninterrupted one would, and each DDP rank its share
+        # (the sampler's own, which Lightning leaves alone); a run resumed inside an epoch skips
+        # the batches of it already trained.
         dataset = self.dataset("train")
-        rank, world = self._rank()
+        rank, world = self.rank_and_world()
         sampler = DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=True,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
         )
-        workers = self.num_workers
-        return _TrainLoader(
-            self._fit_progress, dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=dataset.collate,
-            num_workers=workers, persistent_workers=workers > 0,
-        )
+        return self.resumable(self._loader(dataset, batch_size=self.batch_size, sampler=sampler), sampler)
 
-    def _fit_progress(self) -> tuple[int, int] | None:
-        return fit_progress(self.trainer)
-
-    def _eval_loader(self, split: str) -> DataLoader:
+    def eval_dataloader(self, split: str) -> DataLoader:
         dataset = self.dataset(split)
-        rank, world = self._rank()
+        rank, world = self.rank_and_world()
         return self._loader(
             dataset, batch_size=self.eval_batch_size, sampler=_EvalShard(dataset, world, rank)
         )
 
-    def val_dataloader(self):
-        if not self.has_validation:
-            return []
-        return self._eval_loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader("test")
-
     # ---------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict:
-        """The catalogue travels with the checkpoint so evaluation can check it ranks the same
-        items."""
-        ids = self.histories.item_ids
-        digest = hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()
-        return {"n_items": len(ids), "item_map_sha256": digest}
+    def identity(self) -> dict:
+        """The catalogue, so that evaluation can check it ranks the same items."""
+        return item_map_identity(self.histories.item_ids)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._checkpoint_state = dict(state_dict)
-        if self._histories is None:
-            self.histories  # noqa: B018 - loading runs the check
-        else:
-            self._check_item_map()
-
-    def _check_item_map(self) -> None:
-        state = self._checkpoint_state
-        if state is None or self._histories is None:
-            return
-        mine = self.state_dict()
-        if mine != state:
-            raise UserInputError(
-                f"the checkpoint was trained on another catalogue ({state['n_items']} items, "
-                f"sha256 {state['item_map_sha256'][:12]}) than data.prepared_dir="
-                f"{self.prepared_dir} holds ({mine['n_items']} items, sha256 "
-                f"{mine['item_map_sha256'][:12]}): point data.prepared_dir at that run's data"
-            )
+    def identity_mismatch(self, theirs: dict, mine: dict) -> str | None:
+        return item_map_mismatch(theirs, mine, "catalogue", f"data.prepared_dir={self.prepared_dir} holds",
+                                 "point data.prepared_dir at that run's data")
 
 
-class SyntheticHistoryDataModule(HistoryDataModule):
+class SyntheticHistoryDataModule(GeneratedData, HistoryDataModule):
     """Histories drawn from a learnable synthetic generator, written once under ``cache_dir``
     (one directory per generator configuration)."""
 
-    def __init__(self, cache_dir: str, generator: dict | None = None, **kwargs) -> None:
-        from recforge.data.sequences.synthetic import (
-            SyntheticHistoriesConfig,
-            write_synthetic_histories,
-        )
+    generator_config = SyntheticHistoriesConfig
+    describes = "histories"
 
-        try:
-            self.generator = SyntheticHistoriesConfig(**(generator or {}))
-        except (TypeError, ValueError) as error:
-            raise UserInputError(f"data.generator: {error}") from error
-        path = write_synthetic_histories(self.generator, Path(cache_dir))
-        kwargs.setdefault("prepared_dir", str(path))
-        super().__init__(**kwargs)
-        log.info("synthetic histories %s in %s", asdict(self.generator), path)
+    def generate(self, cache_dir: Path, kwargs: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+        path = write_synthetic_histories(self.generator, cache_dir)
+        return path, {"prepared_dir": str(path), **kwargs}

@@ -1,48 +1,33 @@
 """LightningDataModule for session data in the GRU4Rec text format."""
 from __future__ import annotations
 
-import hashlib
 import logging
-from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-import lightning as L
-from torch.utils.data import IterableDataset
-
-from recforge.config_values import Range
+from recforge.config_values import Range, checks_ranges
+from recforge.contracts import CatalogueInputs
+from recforge.data.base import (
+    GeneratedData,
+    RecDataModule,
+    item_map_identity,
+    item_map_mismatch,
+)
 from recforge.data.batches import SessionStep
-from recforge.data.resumable import ResumesInsideEpoch, fit_progress
 from recforge.data.sessions.datasets import GroupedSteps, SessionParallelSteps
 from recforge.data.sessions.io import SessionFileError, read_session_file, sort_sessions
 from recforge.data.sessions.parallel import count_steps
 from recforge.data.sessions.store import ItemCatalog, SessionArrays
-from recforge.data.synthetic import SyntheticSessionsConfig, write_synthetic_dataset
+from recforge.data.sessions.synthetic import (
+    SyntheticSessionsConfig,
+    write_synthetic_dataset,
+)
 from recforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
 
-class _TrainSteps(ResumesInsideEpoch, IterableDataset):
-    """The training steps (one or grouped per batch), resumable inside an epoch: every epoch takes
-    the sessions in the same order, so a resumed run skips the steps already trained
-    (:class:`~recforge.data.resumable.ResumesInsideEpoch`); the task restores the hidden state of
-    the sessions in flight."""
-
-    def __init__(self, steps: SessionParallelSteps | GroupedSteps, progress) -> None:
-        super().__init__()
-        self.steps = steps
-        self._progress = progress
-
-    def __iter__(self):
-        progress = self._progress()
-        return self.skip_trained(iter(self.steps), None if progress is None else progress[0], len(self.steps))
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-
-class SessionDataModule(L.LightningDataModule):
+class SessionDataModule(RecDataModule):
     """Session-parallel mini-batches from prepared GRU4Rec files (``SessionId ItemId Time``).
 
     The item map and popularity come from the training file; validation and test events whose item
@@ -54,6 +39,9 @@ class SessionDataModule(L.LightningDataModule):
     batch counts (``limit_train_batches``, ``val_check_interval``, ``log_every_n_steps``) then
     count these groups, while ``trainer.global_step`` counts optimizer steps.
 
+    Every epoch takes the sessions in the same order, so a run resumed inside an epoch skips the
+    steps already trained; the task restores the hidden state of the sessions in flight.
+
     Given ``raw_path`` (and ``dataset``), the raw public files are preprocessed once into
     ``prepared_dir`` (spec §1.9; reused while inputs and parameters are unchanged) and the paths
     not given explicitly follow ``protocol``: ``final`` trains on train_full and tests on test;
@@ -62,6 +50,7 @@ class SessionDataModule(L.LightningDataModule):
 
     batch_type = SessionStep
 
+    @checks_ranges("data")
     def __init__(
         self,
         train_path: str | None,
@@ -92,15 +81,10 @@ class SessionDataModule(L.LightningDataModule):
         self.valid_path = valid_path
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
-        if isinstance(steps_per_batch, bool) or not isinstance(steps_per_batch, int) or steps_per_batch < 1:
-            raise UserInputError(
-                f"data.steps_per_batch must be an integer >= 1, got {steps_per_batch!r}"
-            )
         self.steps_per_batch = steps_per_batch
         self.keys = dict(session_key=session_key, item_key=item_key, time_key=time_key)
         self._catalog: ItemCatalog | None = None
         self._splits: dict[str, SessionArrays] = {}
-        self._checkpoint_state: dict | None = None  # item-map summary of a restored checkpoint
 
     # ---------------------------------------------------------------- data
     @staticmethod
@@ -146,10 +130,10 @@ class SessionDataModule(L.LightningDataModule):
                     "events (a next-item model learns from consecutive events of a session)"
                 )
             self._splits["train"] = train
-            self._check_item_map()
+            self.check_identity()
         return self._catalog
 
-    def task_inputs(self) -> dict:
+    def task_inputs(self) -> CatalogueInputs:
         """Keyword arguments the training task takes from the data: the item catalogue."""
         return {"n_items": self.catalog.n_items, "item_popularity": self.catalog.popularity}
 
@@ -158,15 +142,15 @@ class SessionDataModule(L.LightningDataModule):
             catalog = self.catalog
             if name != "train":
                 what = "valid" if name == "val" else name
-                frame = self._read({"val": self.valid_path, "test": self.test_path}[name], what)
-                self._splits[name] = self._known_items(frame, catalog, what)
+                path = {"val": self.valid_path, "test": self.test_path}[name]
+                self._splits[name] = self._known_items(self._read(path, what), catalog, what, path)
         return self._splits[name]
 
-    def _known_items(self, frame, catalog: ItemCatalog, what: str) -> SessionArrays:
+    def _known_items(self, frame, catalog: ItemCatalog, what: str, path: str) -> SessionArrays:
         """An evaluation split without the events of items the training file lacks (the
         reference protocol); says how many went, warns when most did, refuses when none is left."""
         arrays = SessionArrays.from_frame(frame, catalog)
-        key = f"data.{what}_path={getattr(self, f'{what}_path')}"
+        key = f"data.{what}_path={path}"
         read, dropped = len(frame), len(frame) - arrays.n_events
         share = dropped / read
         if arrays.n_targets == 0:
@@ -199,21 +183,15 @@ class SessionDataModule(L.LightningDataModule):
             self.split("val")
 
     # ---------------------------------------------------------------- loaders
-    def _rank(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def _min_train_rows(self) -> int:
-        # A task declares the smallest batch its loss can learn from (2 when the mini-batch's own
+        # The task declares the smallest batch its loss can learn from (2 when the mini-batch's own
         # targets are the only negatives); the data layer honours it without knowing the loss.
         module = self.trainer.lightning_module if self.trainer is not None else None
-        return int(getattr(module, "min_batch_rows", 1))
+        return 1 if module is None else int(module.min_batch_rows)
 
     def train_dataloader(self):
         arrays = self.split("train")
-        rank, world = self._rank()
+        rank, world = self.rank_and_world()
         min_rows = self._min_train_rows()
         pad_to = None
         if world > 1:
@@ -230,63 +208,33 @@ class SessionDataModule(L.LightningDataModule):
                 f"{min_rows} sessions of two or more events that the loss needs (the mini-batch's "
                 "own targets are its only negatives without task.n_sample)"
             )
-        steps = steps if self.steps_per_batch == 1 else GroupedSteps(steps, self.steps_per_batch)
-        return _TrainSteps(steps, self._fit_progress)
+        return self.resumable(steps if self.steps_per_batch == 1 else GroupedSteps(steps, self.steps_per_batch))
 
-    def _fit_progress(self) -> tuple[int, int] | None:
-        return fit_progress(self.trainer)
-
-    def _eval_loader(self, name: str):
-        arrays = self.split(name)
-        rank, world = self._rank()
+    def eval_dataloader(self, split: str) -> SessionParallelSteps:
+        arrays = self.split(split)
+        rank, world = self.rank_and_world()
         return SessionParallelSteps(arrays, arrays.partition(rank, world), self.eval_batch_size)
 
-    def val_dataloader(self):
-        if not self.has_validation:
-            return []
-        return self._eval_loader("val")
-
-    def test_dataloader(self):
-        return self._eval_loader("test")
-
     # ---------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict:
-        """The item map travels with the checkpoint so evaluation can check it scores the same items."""
-        catalog = self.catalog
-        digest = hashlib.sha256("\n".join(map(str, catalog.item_ids)).encode()).hexdigest()
-        return {"n_items": catalog.n_items, "item_map_sha256": digest}
+    def identity(self) -> dict:
+        """The item map, so that evaluation can check it scores the same items."""
+        return item_map_identity(self.catalog.item_ids)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._checkpoint_state = dict(state_dict)
-        if self._catalog is None:
-            self.catalog  # noqa: B018 - reading the train file runs the check
-        else:
-            self._check_item_map()
-
-    def _check_item_map(self) -> None:
-        state = self._checkpoint_state
-        if state is None or self._catalog is None:
-            return
-        mine = self.state_dict()
-        if mine != state:
-            raise UserInputError(
-                f"the checkpoint was trained on another item map ({state['n_items']} items, "
-                f"sha256 {state['item_map_sha256'][:12]}) than data.train_path={self.train_path} "
-                f"gives ({mine['n_items']} items, sha256 {mine['item_map_sha256'][:12]}): "
-                "point data.train_path at the training file of that run"
-            )
+    def identity_mismatch(self, theirs: dict, mine: dict) -> str | None:
+        return item_map_mismatch(theirs, mine, "item map", f"data.train_path={self.train_path} gives",
+                                 "point data.train_path at the training file of that run")
 
 
-class SyntheticSessionDataModule(SessionDataModule):
-    """Session data drawn from a learnable synthetic Markov chain, written once under ``cache_dir``."""
+class SyntheticSessionDataModule(GeneratedData, SessionDataModule):
+    """Session data drawn from a learnable synthetic Markov chain, written once under ``cache_dir``.
 
-    def __init__(self, cache_dir: str, generator: dict | None = None, **kwargs) -> None:
-        self.generator = SyntheticSessionsConfig(**(generator or {}))
-        self.cache_dir = Path(cache_dir)
-        paths = write_synthetic_dataset(self.generator, self.cache_dir)
-        # Tune on train_tr -> train_valid, report on test: the reference protocol, without leakage.
-        kwargs.setdefault("train_path", str(paths["train_tr"]))
-        kwargs.setdefault("valid_path", str(paths["train_valid"]))
-        kwargs.setdefault("test_path", str(paths["test"]))
-        super().__init__(**kwargs)
-        log.info("synthetic sessions %s in %s", asdict(self.generator), paths["train_full"].parent)
+    Tuned on train_tr -> train_valid and reported on test: the reference protocol, without leakage.
+    """
+
+    generator_config = SyntheticSessionsConfig
+    describes = "sessions"
+
+    def generate(self, cache_dir: Path, kwargs: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+        paths = write_synthetic_dataset(self.generator, cache_dir)
+        files = {"train_path": paths["train_tr"], "valid_path": paths["train_valid"], "test_path": paths["test"]}
+        return paths["train_full"].parent, {**{key: str(path) for key, path in files.items()}, **kwargs}
