@@ -1,8 +1,13 @@
-"""Shared by the kernel benchmarks: device names, synchronising clocks, timed repeats."""
+"""Shared by the benchmarks: device names, synchronising clocks, timed repeats, summaries of
+per-window rates and the machine's state to report with them."""
 from __future__ import annotations
 
+import os
+import platform
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -43,3 +48,27 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def summary(values: list[float]) -> dict:
+    """Min, median and max of per-window rates (rounded to 0.1), their count, and every value."""
+    return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
+            "max": round(max(values), 1), "n": len(values), "all": [round(v, 1) for v in values]}
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average, to record with a timing taken on a shared machine."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -20,8 +20,9 @@ from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parame
 
 
 class RecTask(L.LightningModule):
-    """Base of every task: subclasses build their model, define ``training_step`` (calling
-    :meth:`optimize` once per update) and their evaluation steps (feeding ``self.evaluation``).
+    """Base of every task: subclasses build their model, define :meth:`train_loss` and a
+    ``training_step`` that optimises it (calling :meth:`optimize` once per update), and their
+    evaluation steps (feeding ``self.evaluation``).
 
     Declarations a subclass makes (read by the config check before anything is built; see
     :mod:`recforge.contracts`): ``batch_type`` (the batch it trains on), ``model_contract``
@@ -129,6 +130,12 @@ class RecTask(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer=optimizer)}
 
     # ------------------------------------------------------------------ training loss and epochs
+    def train_loss(self, batch: Any) -> torch.Tensor:
+        """The loss one update of ``training_step`` optimises, without the update or any logging.
+        Each family's ``training_step`` calls it, so a benchmark's plain loop
+        (benchmarks/train_throughput.py) runs the same code as training."""
+        raise NotImplementedError(f"{type(self).__name__} defines no train_loss")
+
     def on_train_start(self) -> None:
         # Lightning does not call on_train_epoch_start when it resumes inside an epoch, so the
         # epoch's state starts here too (a resumed epoch's mean loss counts from the resume)
