@@ -123,13 +123,6 @@ class CTRTask(RecTask):
         """The click loss of one batch plus the embedding penalty (no update: training_step makes it)."""
         return self.loss(self.model(batch.dense, batch.sparse), batch.labels) + self.regularization()
 
-    def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
-        loss = self.train_loss(batch)
-        self.optimize(loss)
-        self.record_loss(loss)
-        self.log_step_loss(loss, batch_idx, batch.size)
-        return loss
-
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, batch: CTRBatch, split: str) -> None:
         self.evaluation.update(split, self.model(batch.dense, batch.sparse), batch.labels)
