@@ -44,7 +44,7 @@ run_step 4 && for kernel in pytorch triton; do
       --override data=synthetic --override data.generator.n_items=20000 --override data.generator.n_sessions=100000 \
       --batch-size $b --windows 3 --steps 150 --warmup 30 --eval-batches 20 \
       --override loss.kernel=$kernel --override evaluation.kernel=$kernel --override optimizer.kernel=$kernel \
-      2>&1 | grep -v '^{' | tail -4 | tee -a "$out/throughput_$kernel.txt"
+      2>&1 | grep -v '^{' | tee -a "$out/throughput_$kernel.txt"
   done; done
 done
 # 5. HSTU (issue 10): its two kernels against their twins on the GPU, the attention table (Triton vs
@@ -58,7 +58,7 @@ run_step 5 && for kernel in pytorch triton; do
     --override data=synthetic_histories --override data.generator.n_users=20000 \
     --override data.generator.n_items=26744 --device cuda \
     --override model.attention.kernel=$kernel --override model.output.kernel=$kernel \
-    2>&1 | grep -v '^{' | tail -4 | tee "$out/hstu_ml20m_$kernel.txt"
+    2>&1 | grep -v '^{' | tee "$out/hstu_ml20m_$kernel.txt"
 done
 # 6. DLRM (issue 11): the dot-interaction kernel and the reference oracle on the GPU, the kernel
 # table (Triton vs PyTorch vs torch.compile, B = 2048..65536, d = 16/64/128), and training
@@ -69,5 +69,5 @@ run_step 6 && timeout 300 "$py" benchmarks/dot_interaction_bench.py 2>&1 | tee "
 run_step 6 && for kernel in pytorch triton; do
   timeout 200 "$py" benchmarks/train_throughput.py --experiment dlrm_criteo_kaggle --level bare --no-eval \
     --device cuda --threads 4 --batch-size 2048 --override model.interaction_kernel=$kernel \
-    2>&1 | grep -v '^{' | tail -4 | tee "$out/dlrm_throughput_$kernel.txt"
+    2>&1 | grep -v '^{' | tee "$out/dlrm_throughput_$kernel.txt"
 done

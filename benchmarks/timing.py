@@ -51,9 +51,13 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def summary(values: list[float]) -> dict:
-    """Min, median and max of per-window rates (rounded to 0.1), their count, and every value."""
-    return {"min": round(min(values), 1), "median": round(statistics.median(values), 1),
-            "max": round(max(values), 1), "n": len(values), "all": [round(v, 1) for v in values]}
+    """Min, median and max of per-window rates, their count and every value (4 significant digits:
+    a rate may be 0.05 updates/s or 50,000 events/s)."""
+    def r(v: float) -> float:
+        return float(f"{v:.4g}")
+
+    return {"min": r(min(values)), "median": r(statistics.median(values)), "max": r(max(values)),
+            "n": len(values), "all": [r(v) for v in values]}
 
 
 def load_average() -> str:

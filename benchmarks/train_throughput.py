@@ -357,16 +357,20 @@ def measure(args, cfg, log) -> dict:
             "levels": {name: {k: summary(v) for k, v in r.items() if v} for name, r in rates.items()}}
 
 
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def table(result: dict) -> str:
     unit = result["unit"]
-    columns = [(f"train_{unit}_per_s", f"train {unit}/s", "{:,.0f}"), ("train_updates_per_s", "updates/s", "{:,.1f}"),
-               (f"eval_{unit}_per_s", f"eval {unit}/s", "{:,.0f}")]
-    head = ["level"] + [f"{title} {stat}" for _, title, _ in columns for stat in ("min", "median")]
+    columns = [(f"train_{unit}_per_s", f"train {unit}/s"), ("train_updates_per_s", "updates/s"),
+               (f"eval_{unit}_per_s", f"eval {unit}/s")]
+    head = ["level"] + [f"{title} {stat}" for _, title in columns for stat in ("min", "median")]
     lines = []
     for name, stats in result["levels"].items():
         cells = [name]
-        for key, _, fmt in columns:
-            cells += [fmt.format(stats[key][s]) if key in stats else "-" for s in ("min", "median")]
+        for key, _ in columns:
+            cells += [_figure(stats[key][s]) if key in stats else "-" for s in ("min", "median")]
         lines.append(cells)
     widths = [max(len(row[i]) for row in [head, *lines]) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
