@@ -36,12 +36,16 @@ run_step 2 && timeout 120 "$py" benchmarks/target_rank_bench.py -B 1024 -N 10000
 run_step 3 && for b in 32 256; do
   timeout 60 "$py" benchmarks/rowwise_adagrad_bench.py --batch $b 2>&1 | tee -a "$out/rowwise_adagrad.txt"
 done
-# 4. training mini-batches/s, B=32..256: PyTorch ops vs every Triton kernel (loss, optimizer, ranking)
+# 4. GRU4Rec training mini-batches/s on synthetic sessions (20,000 items), rsc15 xe and bpr-max presets,
+# B=32..256: PyTorch ops vs every Triton kernel (loss, optimizer, ranking)
 run_step 4 && for kernel in pytorch triton; do
-  timeout 280 "$py" benchmarks/gru4rec_throughput.py --device cuda --threads 4 --datasets synthetic \
-    --batch-sizes 32,64,128,256 --windows 3 --steps 150 --warmup 30 --eval-batches 20 \
-    --override loss.kernel=$kernel --override evaluation.kernel=$kernel --override optimizer.kernel=$kernel \
-    2>&1 | grep -v '^{' | tail -14 | tee "$out/throughput_$kernel.txt"
+  for preset in xe bprmax; do for b in 32 64 128 256; do
+    timeout 90 "$py" benchmarks/train_throughput.py --experiment gru4rec_rsc15_$preset --device cuda --threads 4 \
+      --override data=synthetic --override data.generator.n_items=20000 --override data.generator.n_sessions=100000 \
+      --batch-size $b --windows 3 --steps 150 --warmup 30 --eval-batches 20 \
+      --override loss.kernel=$kernel --override evaluation.kernel=$kernel --override optimizer.kernel=$kernel \
+      2>&1 | grep -v '^{' | tee -a "$out/throughput_$kernel.txt"
+  done; done
 done
 # 5. HSTU (issue 10): its two kernels against their twins on the GPU, the attention table (Triton vs
 # padded PyTorch vs SDPA, forward+backward time and peak memory, L = 256..8192), and training
@@ -50,11 +54,11 @@ run_step 5 && timeout 240 "$py" -m pytest -q tests/hstu/test_hstu_attention_trit
   tests/hstu/test_hstu_oracle.py 2>&1 | tail -8 | tee "$out/hstu_tests.txt"
 run_step 5 && timeout 300 "$py" benchmarks/hstu_attention_bench.py 2>&1 | tee "$out/hstu_attention.txt"
 run_step 5 && for kernel in pytorch triton; do
-  timeout 240 "$py" benchmarks/sequential_throughput.py --experiment hstu_ml-20m --threads 4 --no-eval \
+  timeout 240 "$py" benchmarks/train_throughput.py --experiment hstu_ml-20m --level bare --threads 4 --no-eval \
     --override data=synthetic_histories --override data.generator.n_users=20000 \
     --override data.generator.n_items=26744 --device cuda \
     --override model.attention.kernel=$kernel --override model.output.kernel=$kernel \
-    2>&1 | tail -4 | tee "$out/hstu_ml20m_$kernel.txt"
+    2>&1 | grep -v '^{' | tee "$out/hstu_ml20m_$kernel.txt"
 done
 # 6. DLRM (issue 11): the dot-interaction kernel and the reference oracle on the GPU, the kernel
 # table (Triton vs PyTorch vs torch.compile, B = 2048..65536, d = 16/64/128), and training
@@ -63,6 +67,7 @@ run_step 6 && timeout 240 "$py" -m pytest -q tests/dlrm/test_dot_interaction.py 
   2>&1 | tail -8 | tee "$out/dlrm_tests.txt"
 run_step 6 && timeout 300 "$py" benchmarks/dot_interaction_bench.py 2>&1 | tee "$out/dot_interaction.txt"
 run_step 6 && for kernel in pytorch triton; do
-  timeout 200 "$py" benchmarks/dlrm_throughput.py --device cuda --threads 4 --batch 2048 \
-    --override model.dot_interaction.kernel=$kernel 2>&1 | tail -2 | tee "$out/dlrm_throughput_$kernel.txt"
+  timeout 200 "$py" benchmarks/train_throughput.py --experiment dlrm_criteo_kaggle --level bare --no-eval \
+    --device cuda --threads 4 --batch-size 2048 --override model.dot_interaction.kernel=$kernel \
+    2>&1 | grep -v '^{' | tee "$out/dlrm_throughput_$kernel.txt"
 done

@@ -1,8 +1,13 @@
-"""Shared by the kernel benchmarks: device names, synchronising clocks, timed repeats."""
+"""Shared by the benchmarks: device names, synchronising clocks, timed repeats, summaries of
+per-window rates and the machine's state to report with them."""
 from __future__ import annotations
 
+import os
+import platform
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -43,3 +48,31 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def summary(values: list[float]) -> dict:
+    """Min, median and max of per-window rates, their count and every value (4 significant digits:
+    a rate may be 0.05 updates/s or 50,000 events/s)."""
+    def r(v: float) -> float:
+        return float(f"{v:.4g}")
+
+    return {"min": r(min(values)), "median": r(statistics.median(values)), "max": r(max(values)),
+            "n": len(values), "all": [r(v) for v in values]}
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average, to record with a timing taken on a shared machine."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -78,7 +78,7 @@ def test_cache_keys_are_the_ones_earlier_versions_gave():
     # The synthetic caches keep their directory names (values from before the toolkit).
     from recforge.data.criteo.synthetic import SyntheticCriteoConfig, synthetic_criteo_key
     from recforge.data.sequences.synthetic import SyntheticHistoriesConfig
-    from recforge.data.synthetic import SyntheticSessionsConfig
+    from recforge.data.sessions.synthetic import SyntheticSessionsConfig
 
     assert SyntheticSessionsConfig().cache_key() == "d42b5db32567"
     assert SyntheticHistoriesConfig().cache_key() == "929b0d9bdbd9"

@@ -23,8 +23,9 @@ from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parame
 
 
 class RecTask(L.LightningModule):
-    """Base of every task: subclasses build their model, define ``training_step`` (calling
-    :meth:`optimize` once per update) and their evaluation steps (feeding ``self.evaluation``).
+    """Base of every task: subclasses build their model, define :meth:`train_loss` (which
+    :meth:`training_step` optimises, calling :meth:`optimize` once per update) and their
+    evaluation steps (feeding ``self.evaluation``).
 
     Declarations a subclass makes (read by the config check before anything is built; see
     :mod:`recforge.contracts`): ``batch_type`` (the batch it trains on), ``model_contract``
@@ -137,6 +138,20 @@ class RecTask(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer=optimizer)}
 
     # ------------------------------------------------------------------ training loss and epochs
+    def train_loss(self, batch: Any) -> torch.Tensor:
+        """The loss one update of ``training_step`` optimises, without the update or any logging.
+        Every ``training_step`` calls it, so a benchmark's plain loop
+        (benchmarks/train_throughput.py) runs the same code as training."""
+        raise NotImplementedError(f"{type(self).__name__} defines no train_loss")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """One update on ``train_loss(batch)`` (a family whose batch holds several updates overrides it)."""
+        loss = self.train_loss(batch)
+        self.optimize(loss)
+        self.record_loss(loss)
+        self.log_step_loss(loss, batch_idx, batch.size)
+        return loss
+
     def on_train_start(self) -> None:
         # Lightning does not call on_train_epoch_start when it resumes inside an epoch, so the
         # epoch's state starts here too (a resumed epoch's mean loss counts from the resume)

@@ -89,12 +89,9 @@ class CTRTask(RecTask):
             return 0.0
         return self.embedding_l2 / 2 * sum(table.pow(2).sum() for table in self.model.sparse_parameters())
 
-    def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(self.model(batch.dense, batch.sparse), batch.labels) + self.regularization()
-        self.optimize(loss)
-        self.record_loss(loss)
-        self.log_step_loss(loss, batch_idx, batch.size)
-        return loss
+    def train_loss(self, batch: CTRBatch) -> torch.Tensor:
+        """The click loss of one batch plus the embedding penalty (no update: training_step makes it)."""
+        return self.loss(self.model(batch.dense, batch.sparse), batch.labels) + self.regularization()
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, batch: CTRBatch, split: str) -> None:

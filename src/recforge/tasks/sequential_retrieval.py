@@ -96,13 +96,6 @@ class SequentialRetrievalTask(RecTask):
         positives = next_item_positives(batch.items, batch.offsets, batch.targets)
         return self.loss(outputs, positives, self.model.item_table)
 
-    def training_step(self, batch: HistoryBatch, batch_idx: int) -> torch.Tensor:
-        loss = self.train_loss(batch)
-        self.optimize(loss)
-        self.record_loss(loss)
-        self.log_step_loss(loss, batch_idx, batch.size)
-        return loss
-
     # ------------------------------------------------------------------ evaluation
     def _rank_targets(self, batch: HistoryBatch, split: str) -> None:
         queries = self.model.last_positions(self.encode(batch), batch.offsets)
