@@ -50,8 +50,8 @@ done
 # 5. HSTU (issue 10): its two kernels against their twins on the GPU, the attention table (Triton vs
 # padded PyTorch vs SDPA, forward+backward time and peak memory, L = 256..8192), and training
 # sequences/s of the ml-20m HSTU config on synthetic histories of the same shape, per kernel
-run_step 5 && timeout 240 "$py" -m pytest -q tests/hstu/test_hstu_attention_triton.py tests/hstu/test_hstu_output.py \
-  tests/hstu/test_hstu_oracle.py 2>&1 | tail -8 | tee "$out/hstu_tests.txt"
+run_step 5 && timeout 240 "$py" -m pytest -q tests/sequences/hstu/test_hstu_attention_triton.py tests/sequences/hstu/test_hstu_output.py \
+  tests/sequences/hstu/test_hstu_oracle.py 2>&1 | tail -8 | tee "$out/hstu_tests.txt"
 run_step 5 && timeout 300 "$py" benchmarks/hstu_attention_bench.py 2>&1 | tee "$out/hstu_attention.txt"
 run_step 5 && for kernel in pytorch triton; do
   timeout 240 "$py" benchmarks/train_throughput.py --experiment hstu_ml-20m --level bare --threads 4 --no-eval \

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import most_popular_hr
+from sequences.oracles import most_popular_hr
 
 from recforge.pipeline import build, train
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import most_popular_hr
+from sequences.oracles import most_popular_hr
 
 from recforge.kernels.hstu_attention import hstu_attention, time_buckets
 from recforge.kernels.jagged import next_item_positives
