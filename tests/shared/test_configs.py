@@ -22,7 +22,7 @@ def _options(group: str) -> list[str]:
 
 def _target(group: str, option: str) -> type:
     node = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text())
-    return get_class(node["_target_"])
+    return get_class(node["_target_"]) if "_target_" in node else type(None)  # a renamed option's alias
 
 
 def _task(model: str) -> type:
