@@ -43,27 +43,31 @@ def official_setup(sample) -> list[str]:
     ]
 
 
-# The recordings were made on a CPU whose BLAS and vector kernels another machine may not share.
-# Where the arithmetic is the recording machine's, every loss retraces the recording to float
-# round-off (rtol 1e-5) and the final weights land on it. Elsewhere a one-ulp difference shows
-# within the first steps and, at learning rate 0.2, training amplifies it about twofold a step.
-# Measured on an AVX-512 machine whose MKL and ATen kernels differ from the recording's (where
-# the reference's own DLRM recording is one ulp off too): the first loss off by one ulp is step 3
-# in both epochs; the first off by 1e-5 is step 17 (xe) and step 7 (bpr-max); the epochs' mean
-# losses end 0.5 % (xe) and 1.1 % (bpr-max) from the recordings, the xe metrics within 0.006.
-# That machine compares the steps before the amplification one by one (at most one ulp apart
-# there, against a tolerance of 1e-5), then the epoch by its mean loss and its end metrics.
+# The recordings were made on a CPU whose BLAS and vector kernels another machine, or another
+# thread count, may not share. Where the arithmetic is the recording machine's, the first steps
+# agree to round-off (1e-6), every loss retraces the recording (rtol 1e-5) and the final weights
+# land on it. Elsewhere a difference of one ulp shows within the first steps and, at learning rate
+# 0.2, training amplifies it about twofold a step. Measured on an AVX-512 machine whose MKL and
+# ATen kernels differ from the recording's (the reference's own DLRM recording is one ulp off
+# there too), at 1 thread: the first loss off by one ulp is step 3 in both epochs, the first off by
+# 1e-5 is step 17 (xe) and step 7 (bpr-max); the epochs' mean losses end 0.5 % (xe) and 1.1 %
+# (bpr-max) from the recordings, the xe metrics within 0.006; at 2 threads bpr-max is 1.7e-4 off
+# by step 12. Such a machine compares the first steps one by one (at most one ulp apart there,
+# against a tolerance of 1e-5), then the epoch by its mean loss and its end metrics.
 EARLY_STEPS = 4
+PROBE_STEPS = 16
 
 
 def same_arithmetic_as_the_recording(losses: np.ndarray, recorded: np.ndarray) -> bool:
-    """Whether the first steps equal the recording bit for bit (the recording machine's kernels)."""
-    return bool(np.array_equal(losses[:EARLY_STEPS], recorded[:EARLY_STEPS]))
+    """Whether the first steps agree with the recording to round-off (the recording's kernels)."""
+    probe = slice(0, PROBE_STEPS)
+    return bool(np.all(np.abs(losses[probe] - recorded[probe]) <= 1e-6 * np.abs(recorded[probe])))
 
 
 def assert_retraces(losses: np.ndarray, recorded: np.ndarray) -> bool:
     """Compare a loss trajectory with the recording; True when it must also land on the recorded
-    weights (same arithmetic), False when only the early steps and the epoch mean can match."""
+    weights and metrics (same arithmetic), False when only the first steps, the epoch's mean loss
+    and the end metrics can match."""
     losses, recorded = np.asarray(losses, dtype=np.float64), np.asarray(recorded, dtype=np.float64)
     assert losses.shape == recorded.shape
     if same_arithmetic_as_the_recording(losses, recorded):
