@@ -83,9 +83,10 @@ def shared_data_dir() -> Path:
 
 # ---------------------------------------------------------------- composed configs
 # The real config (conf/) with a cheap test profile: CPU, one epoch, no progress bar, output under
-# pytest's tmp_path; and test sizes for keys that only some configs have (a generated dataset, a
-# model width, a sampler store), applied only where the composed config has the key, so that
-# every model family composes with the same fixture.
+# pytest's tmp_path; and test sizes, applied only where the composed config has the key, so that
+# every model family composes with the same fixture. Keys every family has are here; a family's own
+# (a generated dataset's size, a model width, a sampler store) are in its tests folder's
+# cheap_sizes.yaml.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 CHEAP = [
@@ -93,17 +94,22 @@ CHEAP = [
     "callbacks.progress_bar.refresh_rate=0",
     "trainer.enable_model_summary=false",
 ]
-SHRINK = [
-    "data.generator.n_items=300",
-    "data.generator.n_sessions=3000",
-    "data.generator.n_users=300",
-    "data.batch_size=32",
-    "data.eval_batch_size=256",
-    "model.hidden_size=32",
-    "task.sample_store_size=100000",
-    "data.generator.n_rows=4000",
-    "data.prepare.max_ind_range=1000",
-]
+
+
+def family_sizes(tests_dir: Path = Path(__file__).parent) -> list[str]:
+    """The ``key=value`` test sizes of every family's ``tests/<family>/cheap_sizes.yaml``; a key two
+    families set must have one value."""
+    import yaml
+
+    sizes: dict[str, object] = {}
+    for path in sorted(tests_dir.glob("*/cheap_sizes.yaml")):
+        for key, value in (yaml.safe_load(path.read_text()) or {}).items():
+            if sizes.setdefault(key, value) != value:
+                raise ValueError(f"{path}: {key}={value} contradicts {key}={sizes[key]} of another family")
+    return [f"{key}={value}" for key, value in sizes.items()]
+
+
+SHRINK = ["data.batch_size=32", "data.eval_batch_size=256", *family_sizes()]
 
 
 def shrinks_for(cfg: DictConfig, overrides: list[str]) -> list[str]:
@@ -172,7 +178,8 @@ def make_cfg(tmp_path, data_dir):
 # A user's command line is run word for word in a subprocess, from a directory laid out like the
 # repository: src/train.py, src/eval.py and a copy of conf/. What makes it cheap goes where a user
 # keeps machine-local settings, conf/local/default.yaml, so no paths.* or hydra.* override is
-# needed on the command line (such overrides hid a multirun that could not start).
+# needed on the command line (such overrides hid a multirun that could not start). The sizes are
+# the default experiment's (GRU4Rec on generated sessions), the one the README's commands run.
 TINY_RUN = [
     "trainer.max_epochs=2",
     "trainer.log_every_n_steps=2",

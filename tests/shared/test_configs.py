@@ -236,3 +236,16 @@ def test_debug_presets_run(debug, make_cfg):
     cfg = make_cfg(f"debug={debug}", *extra)
     metrics = train(cfg)
     assert metrics.get("test/recall@20") is not None
+
+
+def test_family_test_sizes_are_gathered_and_a_contradiction_is_refused(tmp_path):
+    from conftest import family_sizes
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "cheap_sizes.yaml").write_text("data.generator.n_items: 300\nmodel.hidden_size: 32\n")
+    (tmp_path / "b" / "cheap_sizes.yaml").write_text("data.generator.n_items: 300\n")
+    assert family_sizes(tmp_path) == ["data.generator.n_items=300", "model.hidden_size=32"]
+    (tmp_path / "b" / "cheap_sizes.yaml").write_text("data.generator.n_items: 400\n")
+    with pytest.raises(ValueError, match="n_items=400 contradicts data.generator.n_items=300"):
+        family_sizes(tmp_path)
