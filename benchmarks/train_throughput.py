@@ -247,7 +247,39 @@ class Level:
         clock = WindowClock(lead, self.sync)
         trainer = _trainer(self.cfg, _clock_callback(clock, lead + steps - 1), limit_train_batches=lead + steps)
         trainer.fit(self.task, datamodule=self.datamodule)
+        self.optimizer = trainer.optimizers[0]  # kept for state_bytes: its state is the run's
         return clock.result()
+
+    def state_bytes(self) -> dict:
+        """Bytes the task holds: its parameters (embedding tables included) and, once a window has
+        trained, the optimizer's state (moments, row-wise accumulators)."""
+        import torch
+
+        def tensor_bytes(value) -> int:
+            if isinstance(value, torch.Tensor):
+                return value.numel() * value.element_size()
+            if isinstance(value, dict):
+                return sum(tensor_bytes(v) for v in value.values())
+            if isinstance(value, (list, tuple)):
+                return sum(tensor_bytes(v) for v in value)
+            return 0
+
+        optimizer = getattr(self, "optimizer", None)
+        return {"parameters": sum(p.numel() * p.element_size() for p in self.task.parameters()),
+                "optimizer_state": None if optimizer is None else tensor_bytes(optimizer.state_dict()["state"])}
+
+    def epoch_size(self) -> dict:
+        """Updates in one training epoch and batches in the test split, where the loaders know
+        their length (a projected time is their count over their rate per second)."""
+        sizes = {}
+        per_batch = int(getattr(self.datamodule, "steps_per_batch", 1))
+        for key, loader, scale in (("train_updates", self.datamodule.train_dataloader(), per_batch),
+                                   ("test_batches", self.datamodule.test_dataloader(), 1)):
+            try:
+                sizes[key] = len(loader) * scale
+            except TypeError:  # an iterable dataset of unknown length
+                sizes[key] = None
+        return sizes
 
     def _loop(self, lead: int, steps: int) -> tuple[int, int, float]:
         task, optimizer = self.task, self.optimizer
@@ -340,7 +372,8 @@ def measure(args, cfg, log) -> dict:
     steps = args.steps or max(1, round(args.window_seconds / max(min(paces), 1e-9)))
     log(f"# unit: {unit}; data.batch_size={first.datamodule.batch_size}; windows of {steps} timed updates "
         f"after {args.lead} untimed ({'given' if args.steps else f'~{args.window_seconds:g} s from the warm-up'})")
-    rates = {name: {f"train_{unit}_per_s": [], "train_updates_per_s": [], f"eval_{unit}_per_s": []} for name in levels}
+    rates = {name: {f"train_{unit}_per_s": [], "train_updates_per_s": [], f"eval_{unit}_per_s": [],
+                    "eval_batches_per_s": []} for name in levels}
     for _ in range(args.windows):
         for name, level in levels.items():
             rows, updates, seconds = level.train_window(args.lead, steps)
@@ -351,9 +384,11 @@ def measure(args, cfg, log) -> dict:
     if not args.no_eval:
         for _ in range(args.windows):
             for name, level in levels.items():
-                rows, _, seconds = level.eval_window(args.eval_batches)
+                rows, batches, seconds = level.eval_window(args.eval_batches)
                 rates[name][f"eval_{unit}_per_s"].append(_rate(rows, seconds, f"{name} evaluation"))
+                rates[name]["eval_batches_per_s"].append(batches / seconds)
     return {"unit": unit, "steps": steps, "sampler_store": sampler_fill(first.task),
+            "epoch": first.epoch_size(), "state_bytes": first.state_bytes(),
             "levels": {name: {k: summary(v) for k, v in r.items() if v} for name, r in rates.items()}}
 
 

@@ -1,0 +1,62 @@
+"""benchmarks/scale.py: its size-cost exponent, its memory and time measurement of a child process."""
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def scale():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        yield importlib.import_module("scale")
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize("power", [0.0, 1.0, 1.5, 2.0])
+def test_the_exponent_of_an_exact_power_law_is_its_power(scale, power):
+    sizes = [1e6, 2e6, 4e6, 8e6]
+    assert scale.fitted_exponent(sizes, [3.0 * s**power for s in sizes]) == pytest.approx(power, abs=1e-12)
+
+
+def test_the_exponent_is_the_least_squares_slope_of_the_logs(scale):
+    # by hand: x = 0, 1, 2 and y = 0, 2, 3 (means 1 and 5/3): slope = (1 * 5/3 + 0 + 1 * 4/3) / (1 + 0 + 1) = 1.5
+    sizes = [1.0, math.e, math.e**2]
+    costs = [1.0, math.e**2, math.e**3]
+    assert scale.fitted_exponent(sizes, costs) == pytest.approx(1.5)
+
+
+def test_the_exponent_needs_two_sizes_and_positive_costs(scale):
+    assert scale.fitted_exponent([1e6, 1e6], [1.0, 2.0]) is None
+    assert scale.fitted_exponent([1e6, 2e6], [None, 2.0]) is None
+    assert scale.fitted_exponent([1e6, 2e6, 4e6], [1.0, 2.0, None]) == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory sampler reads /proc (Linux)")
+def test_a_child_process_tree_is_timed_and_its_peak_memory_seen(scale, tmp_path):
+    # the grandchild holds 300 MiB (touched) for half a second: the tree's peak must see it,
+    # although the direct child itself stays small
+    hold = ("import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(0.5)")
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {hold!r}], check=True); print('done')"
+    measured = scale.run_measured([sys.executable, "-c", spawn], env=None, cwd=tmp_path)
+    assert measured.returncode == 0 and measured.stdout.strip() == "done"
+    assert measured.peak_bytes >= 300 * 2**20
+    assert measured.peak_bytes < 2 * 2**30
+    assert measured.seconds >= 0.5
+
+
+def test_a_failing_stage_names_itself_and_its_error(scale, tmp_path):
+    measured = scale.run_measured([sys.executable, "-c", "import sys; sys.exit('recforge: bad input')"], None, tmp_path)
+    with pytest.raises(scale.StageFailed, match="preparation failed \\(exit 1\\): recforge: bad input"):
+        scale._check(measured, "preparation")
+
+
+def test_the_work_dir_may_not_be_inside_the_repository(scale, capsys):
+    with pytest.raises(SystemExit):
+        scale.parse_args(["ml-20m", "--work-dir", str(REPO_ROOT / "data" / "scale")])
+    assert "inside the repository" in capsys.readouterr().err
