@@ -52,12 +52,19 @@ from recforge.data.prepared_dir import build_once, cache_key
 __all__ = [
     "BLOCK_ROWS",
     "DEFAULT_CARDINALITIES",
+    "DEFAULT_DENSE_MISSING",
+    "DEFAULT_SPARSE_MISSING",
+    "DENSE_LATENT",
+    "DENSE_MEDIAN",
+    "DENSE_SIGMA",
+    "DENSE_ZERO",
     "DEFAULT_SPLIT",
     "SyntheticCriteoConfig",
     "SyntheticClickModel",
     "check_split",
     "ensure_synthetic_criteo",
     "exact_auc",
+    "intercept_for",
     "logloss",
     "synthetic_criteo_key",
     "write_synthetic_criteo",
@@ -85,10 +92,10 @@ DEFAULT_SPARSE_MISSING = (
 DEFAULT_DENSE_MISSING = (0.45, 0.0, 0.21, 0.22, 0.026, 0.22, 0.04, 0.0005, 0.04, 0.45, 0.04, 0.77, 0.22)
 # Shape of each dense count: median and log-scale spread of its log-normal part, and the chance
 # of an exact zero (Criteo's I5 runs to the millions, I10 and I12 are mostly 0 or 1).
-_DENSE_MEDIAN = np.array([1, 3, 8, 5, 2500, 30, 4, 8, 50, 1, 2, 1, 5], dtype=np.float64)
-_DENSE_SIGMA = np.array([1.2, 1.8, 1.5, 1.0, 1.8, 1.7, 1.6, 1.0, 1.3, 0.6, 1.2, 1.5, 1.0])
-_DENSE_ZERO = np.array([0.3, 0.1, 0.05, 0.05, 0.02, 0.1, 0.15, 0.05, 0.02, 0.4, 0.2, 0.6, 0.05])
-_DENSE_LATENT = 0.5  # correlation of each dense feature with the shared latent factor
+DENSE_MEDIAN = np.array([1, 3, 8, 5, 2500, 30, 4, 8, 50, 1, 2, 1, 5], dtype=np.float64)
+DENSE_SIGMA = np.array([1.2, 1.8, 1.5, 1.0, 1.8, 1.7, 1.6, 1.0, 1.3, 0.6, 1.2, 1.5, 1.0])
+DENSE_ZERO = np.array([0.3, 0.1, 0.05, 0.05, 0.02, 0.1, 0.15, 0.05, 0.02, 0.4, 0.2, 0.6, 0.05])
+DENSE_LATENT = 0.5  # correlation of each dense feature with the shared latent factor
 
 # Columns of a block's uniform draws: value ranks, missing flags (sparse then dense), exact zeros,
 # the click.
@@ -221,7 +228,7 @@ class SyntheticClickModel:
         parts = self._components(dense, sparse)
         targets = (config.main_effect_std, config.dense_effect_std, config.interaction_std)
         self._weights = np.array([t / s if s > 0 else 0.0 for t, s in zip(targets, (p.std() for p in parts))])
-        self.intercept = _intercept_for(sum(w * p for w, p in zip(self._weights, parts)), config.base_ctr)
+        self.intercept = intercept_for(sum(w * p for w, p in zip(self._weights, parts)), config.base_ctr)
 
     @staticmethod
     def _draw(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
@@ -241,9 +248,9 @@ class SyntheticClickModel:
             ranks = np.minimum(np.searchsorted(cdf, u[_U_RANK][f], side="right"), len(cdf) - 1)
             sparse[f] = self._index_of_rank[f][ranks]
         sparse[u[_U_SPARSE_MISSING] < self._sparse_missing[:, None]] = 0
-        latent = _DENSE_LATENT * z[:1] + np.sqrt(1 - _DENSE_LATENT**2) * z[1:]
-        counts = np.floor(np.exp(np.log(_DENSE_MEDIAN)[:, None] + _DENSE_SIGMA[:, None] * latent))
-        counts[u[_U_ZERO] < _DENSE_ZERO[:, None]] = 0.0
+        latent = DENSE_LATENT * z[:1] + np.sqrt(1 - DENSE_LATENT**2) * z[1:]
+        counts = np.floor(np.exp(np.log(DENSE_MEDIAN)[:, None] + DENSE_SIGMA[:, None] * latent))
+        counts[u[_U_ZERO] < DENSE_ZERO[:, None]] = 0.0
         dense = np.log1p(counts).astype(np.float32)
         dense[u[_U_DENSE_MISSING] < self._dense_missing[:, None]] = 0.0  # the prepared format's "missing"
         dense, sparse = np.ascontiguousarray(dense.T), np.ascontiguousarray(sparse.T)
@@ -283,7 +290,7 @@ class SyntheticClickModel:
         return labels, dense, sparse, prob
 
 
-def _intercept_for(logits: np.ndarray, rate: float) -> float:
+def intercept_for(logits: np.ndarray, rate: float) -> float:
     """The shift ``b`` with ``mean(sigmoid(logits + b)) = rate`` (bisection: the mean is monotone in b)."""
     low, high = -40.0, 40.0
     for _ in range(100):
