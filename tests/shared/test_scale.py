@@ -60,3 +60,33 @@ def test_the_work_dir_may_not_be_inside_the_repository(scale, capsys):
     with pytest.raises(SystemExit):
         scale.parse_args(["ml-20m", "--work-dir", str(REPO_ROOT / "data" / "scale")])
     assert "inside the repository" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_tiny_fractions_run_every_stage_through_the_projects_commands(tmp_path):
+    import json
+
+    from conftest import run_command
+
+    done = run_command(
+        f"python benchmarks/scale.py ml-20m --fractions 0.002,0.004 --presets sasrec_ml-20m --work-dir {tmp_path} "
+        "--threads 1 --windows 1 --train-steps 1 --eval-batches 1 --override model.embedding_dim=8 "
+        "--override data.batch_size=64 --json " + str(tmp_path / "scale.json"),
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "scale.json").read_text())
+    assert result == json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["fraction"] for r in result["fractions"]] == [0.002, 0.004]
+    for row in result["fractions"]:
+        ratings = tmp_path / "ml-20m" / f"f{row['fraction']:g}" / "raw" / "ratings.csv"
+        assert row["raw_rows"] == len(ratings.read_text().splitlines()) - 1  # the header
+        assert row["prepare"]["seconds"] > 0 and row["prepare"]["peak_bytes"] > 0
+        train, evaluation = row["train"]["sasrec_ml-20m"], row["eval"]["sasrec_ml-20m"]
+        assert train["epoch_seconds"] == pytest.approx(train["epoch_updates"] / train["updates_per_s"])
+        assert train["state_bytes"]["parameters"] > 0 and train["state_bytes"]["optimizer_state"] > 0
+        assert evaluation["batches_run"] == 1 and evaluation["test_batches"] >= 1
+        assert not (tmp_path / "ml-20m" / f"f{row['fraction']:g}" / "prepared").exists()  # not kept by default
+    exponents = result["exponents"]
+    assert exponents["prepare_seconds"] is not None and "seconds_per_update" in exponents["sasrec_ml-20m"]
+    assert "| exponent |" in done.stdout
