@@ -14,6 +14,9 @@ plan), so it is sent once per worker rather than with every task.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -22,6 +25,23 @@ from typing import Any
 from recforge.errors import UserInputError
 
 __all__ = ["OrderedPool", "check_workers"]
+
+_PARENT_POLL_SECONDS = 1.0
+
+
+def _start_worker(parent: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
+    """In each worker: end it when the process that started it is gone (killed with SIGKILL, its
+    pool never shuts down, and an idle worker would wait for tasks forever), then run the
+    pool's initializer."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def check_workers(workers: Any) -> int:
@@ -48,7 +68,7 @@ class OrderedPool:
         else:
             self._executor = ProcessPoolExecutor(
                 self.workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=self._initializer, initargs=self._initargs)
+                initializer=_start_worker, initargs=(os.getpid(), self._initializer, self._initargs))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
