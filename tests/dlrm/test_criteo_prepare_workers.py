@@ -119,3 +119,13 @@ def test_a_task_error_is_raised_in_its_turn():
         assert next(results) == 2
         with pytest.raises(ZeroDivisionError):
             next(results)
+
+
+def test_the_data_config_passes_workers_to_the_conversion(day_files, tmp_path):
+    from recforge.data.criteo.datamodule import CriteoDataModule
+
+    dm = CriteoDataModule(raw_path=[str(p) for p in day_files], cache_dir=str(tmp_path / "cache"),
+                          prepare={"split": "days", "max_ind_range": 997, "max_malformed_fraction": 0.01,
+                                   "workers": 1})
+    assert dm.metadata["conversion"]["workers"] == 1
+    assert dm.metadata["split"]["rows"]["train"] == 2 * 3565
