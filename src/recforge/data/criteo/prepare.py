@@ -8,6 +8,10 @@ Passes over the input, each chunk by chunk (memory follows ``chunk_rows``, not t
 3. parse, split, transform and write every row through :class:`PreparedWriter`, which leaves
    nothing behind when anything fails.
 
+Passes 2 and 3 cut the files into runs of ``chunk_rows`` lines; with ``workers=N`` the runs are
+parsed (and encoded) in N worker processes (:mod:`.workers`, :mod:`.runs`) while this process
+reads the files and writes, taking the results in file order: the output is the same bytes.
+
 Row formats and malformed lines: :mod:`.raw`; dense transform and index layouts: :mod:`.transform`;
 splits: :mod:`.splits`. Command line::
 
@@ -16,7 +20,7 @@ splits: :mod:`.splits`. Command line::
     python -m recforge.data.criteo.prepare --raw train.txt --out data/criteo_x1 \\
         --categorical vocab --min-frequency 10 --split random_7_2_1 --seed 0
     python -m recforge.data.criteo.prepare --raw day_0.gz ... day_23.gz --out data/criteo_tb \\
-        --split days --max-ind-range 40000000
+        --split days --max-ind-range 40000000 --workers 2
     python -m recforge.data.criteo.prepare --split files --raw train.csv --valid valid.csv \\
         --test test.csv --out data/criteo_x4 --categorical vocab --min-frequency 10
 
