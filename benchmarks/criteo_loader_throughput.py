@@ -3,9 +3,11 @@
 ``CriteoDataModule.train_dataloader()`` (the DataLoader a Trainer iterates: shuffled chunk order,
 shuffle buffer, worker processes started per epoch), timed from ``iter()`` to the last batch.
 
-Data: a synthetic Criteo-shaped prepared directory of ``--rows`` rows (default 2M, 70% of them
-train), generated once into ``--cache-dir`` (the synthetic data module's cache layout; the
-generation time is printed when it happens). Each (batch size, workers) pair runs ``--repeats``
+Data: ``--prepared-dir`` (e.g. a full-size conversion of :mod:`recforge.data.criteo.fullsize`'s
+Kaggle file; ``--max-rows`` then times the first rows of each epoch), or a synthetic
+Criteo-shaped prepared directory of ``--rows`` rows (default 2M, 70% of them train), generated
+once into ``--cache-dir`` (the synthetic data module's cache layout; the generation time is
+printed when it happens). Each (batch size, workers) pair runs ``--repeats``
 epochs, each a different epoch's order; pairs alternate repeat by repeat so that load from other
 jobs hits them alike. Threads are fixed (``--threads``: torch, OpenMP and arrow). Prints min and
 median rows/s, then one JSON line. ``--per-row`` adds the map-style design of spec §1 (one
@@ -30,6 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--prepared-dir", help="time this prepared directory (e.g. a full-size conversion) "
+                   "instead of generated synthetic rows")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="time the first this many rows of each epoch (default: whole epochs)")
     p.add_argument("--cache-dir", default=str(REPO / "data" / "synthetic_criteo"))
     p.add_argument("--batch-sizes", default="128,2048")
     p.add_argument("--workers", default="0,1")
@@ -62,14 +68,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     pa.set_cpu_count(args.threads)
 
-    config = SyntheticCriteoConfig(n_rows=args.rows)
-    target = Path(args.cache_dir) / synthetic_criteo_key(config)
-    started = time.perf_counter()
-    fresh = not (target / "metadata.json").is_file()
-    path = ensure_synthetic_criteo(config, args.cache_dir)
-    generation_s = time.perf_counter() - started if fresh else None
-    if fresh:
-        print(f"generated {args.rows:,} rows in {generation_s:.1f} s -> {path}")
+    generation_s = None
+    if args.prepared_dir:
+        path = Path(args.prepared_dir)
+    else:
+        config = SyntheticCriteoConfig(n_rows=args.rows)
+        target = Path(args.cache_dir) / synthetic_criteo_key(config)
+        started = time.perf_counter()
+        fresh = not (target / "metadata.json").is_file()
+        path = ensure_synthetic_criteo(config, args.cache_dir)
+        if fresh:
+            generation_s = time.perf_counter() - started
+            print(f"generated {args.rows:,} rows in {generation_s:.1f} s -> {path}")
 
     buffer = DEFAULT_SHUFFLE_BUFFER if args.shuffle_buffer is None else args.shuffle_buffer
     modules = {
@@ -89,9 +99,13 @@ def main(argv=None) -> int:
         for (b, w), loader in loaders.items():
             loader.sampler.set_epoch(repeat)  # the stream: no trainer sets it here
             start = time.perf_counter()
-            seen = sum(batch.size for batch in loader)
+            seen = 0
+            for batch in loader:
+                seen += batch.size
+                if args.max_rows is not None and seen >= args.max_rows:
+                    break
             rates[f"batch {b}, workers {w}"].append(seen / (time.perf_counter() - start))
-            assert seen == rows
+            assert seen == rows or args.max_rows is not None
 
     if args.per_row:
         dm = next(iter(modules.values()))
@@ -116,7 +130,8 @@ def main(argv=None) -> int:
                 seen = sum(len(batch[0]) for batch in DataLoader(PerRow(), batch_size=b, shuffle=True))
                 rates[key].append(seen / (time.perf_counter() - start))
 
-    print(f"\ntraining rows/s into CTRBatch ({rows:,} train rows, threads {args.threads}, "
+    window = "" if args.max_rows is None else f", the first {args.max_rows:,} rows of each epoch"
+    print(f"\ntraining rows/s into CTRBatch ({rows:,} train rows{window}, threads {args.threads}, "
           f"{'file order' if args.no_shuffle else f'shuffle buffer {buffer:,}'}, {args.repeats} epochs each)")
     width = max(len(k) for k in rates)
     print(f"{'':{width}}  {'min':>12}  {'median':>12}")

@@ -9,6 +9,7 @@ by hand from the spec's Kaggle counts.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -190,6 +191,9 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
     assert first != (tmp_path / "c" / "train.txt").read_bytes()
     assert a["files"] == b["files"] and a["rows"] == c["rows"] == 917
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["train.txt"]  # no temporary left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "a" / "train.txt").stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain open makes it
 
 
 def test_tail_values_keep_counting_across_blocks(monkeypatch):

@@ -66,6 +66,7 @@ from recforge.data.criteo.synthetic import (
     intercept_for,
 )
 from recforge.errors import UserInputError
+from recforge.utils.atomic import apply_umask
 
 __all__ = [
     "BLOCK_ROWS",
@@ -265,6 +266,7 @@ def write_raw_criteo(path: Path, spec: RawCriteoSpec) -> dict[str, Any]:
                 positives += int(block.labels.sum())
                 lines = format_tsv_lines(block.labels, block.dense.T, block.dense_missing.T, block.sparse.T)
                 handle.write(memoryview(lines))
+        apply_umask(tmp)  # a plain open's mode, not the temporary file's 0600
         os.replace(tmp, path)
     except BaseException as error:
         tmp.unlink(missing_ok=True)

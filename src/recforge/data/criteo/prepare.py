@@ -8,6 +8,10 @@ Passes over the input, each chunk by chunk (memory follows ``chunk_rows``, not t
 3. parse, split, transform and write every row through :class:`PreparedWriter`, which leaves
    nothing behind when anything fails.
 
+Passes 2 and 3 cut the files into runs of ``chunk_rows`` lines; with ``workers=N`` the runs are
+parsed (and encoded) in N worker processes (:mod:`.workers`, :mod:`.runs`) while this process
+reads the files and writes, taking the results in file order: the output is the same bytes.
+
 Row formats and malformed lines: :mod:`.raw`; dense transform and index layouts: :mod:`.transform`;
 splits: :mod:`.splits`. Command line::
 
@@ -16,7 +20,7 @@ splits: :mod:`.splits`. Command line::
     python -m recforge.data.criteo.prepare --raw train.txt --out data/criteo_x1 \\
         --categorical vocab --min-frequency 10 --split random_7_2_1 --seed 0
     python -m recforge.data.criteo.prepare --raw day_0.gz ... day_23.gz --out data/criteo_tb \\
-        --split days --max-ind-range 40000000
+        --split days --max-ind-range 40000000 --workers 2
     python -m recforge.data.criteo.prepare --split files --raw train.csv --valid valid.csv \\
         --test test.csv --out data/criteo_x4 --categorical vocab --min-frequency 10
 
@@ -54,9 +58,10 @@ from recforge.data.criteo.raw import (
     Layout,
     MalformedLog,
     RawInputError,
+    RunReader,
     count_data_lines,
     detect_layout,
-    iter_raw_chunks,
+    iter_runs,
     take_rows,
 )
 from recforge.data.criteo.splits import (
@@ -78,8 +83,9 @@ from recforge.data.criteo.transform import (
     VocabEncoder,
     check_max_ind_range,
     check_min_frequency,
-    dense_log1p,
 )
+from recforge.data.criteo.runs import convert_run, count_run, share
+from recforge.data.criteo.workers import OrderedPool, check_workers
 from recforge.data.prepared_dir import as_paths, build_once, cache_key, fingerprint
 from recforge.errors import UserInputError
 
@@ -216,22 +222,37 @@ class _Progress:
             log.info("%s: %s lines (%s lines/s)", self.what, f"{self.lines:,}", f"{rate:,.0f}")
 
 
+def _tasks(sources: list[_Source], chunk_rows: int, keep: int, limits: list[int | None] | None = None):
+    """``(run, path, layout, source index, data index, keep)`` for every run of every source in
+    order; with ``limits``, only the runs that start before ``limits[source]`` data lines."""
+    for index, source in enumerate(sources):
+        limit = None if limits is None else limits[index]
+        if limit == 0:
+            continue
+        for buf, data_index in iter_runs(source.path, source.layout, chunk_rows):
+            if limit is not None and data_index >= limit:
+                break
+            yield buf, source.path, source.layout, index, data_index, keep
+            del buf
+
+
+def _readers(sources: list[_Source], malformed: MalformedLog) -> list[RunReader]:
+    return [RunReader(s.path, s.layout, malformed) for s in sources]
+
+
 def _build_vocabulary(
-    sources: list[_Source], plan: SplitPlan, min_frequency: int, chunk_rows: int, malformed: MalformedLog
+    sources: list[_Source], plan: SplitPlan, min_frequency: int, chunk_rows: int, malformed: MalformedLog,
+    workers: int,
 ) -> VocabEncoder:
     counter = ValueCounter()
     progress = _Progress("vocabulary pass")
-    for index, source in enumerate(sources):
-        limit = plan.train_lines(index)
-        if limit == 0:
-            continue
-        for chunk in iter_raw_chunks(source.path, source.layout, chunk_rows, malformed):
-            progress.add(chunk.n_lines)
-            train = plan.assign(index, chunk.rows) == TRAIN
-            counter.update(chunk.sparse[train] if not train.all() else chunk.sparse)
-            if limit is not None and chunk.first_line + chunk.n_lines >= limit:
-                break
-            del chunk
+    readers = _readers(sources, malformed)
+    limits = [plan.train_lines(i) for i in range(len(sources))]
+    with OrderedPool(workers, share, (plan, None)) as pool:
+        for source, run, counted, rows in pool.map(count_run, _tasks(sources, chunk_rows, malformed.keep, limits)):
+            readers[source].take(run)
+            progress.add(run.chunk.n_lines)
+            counter.update_counted(counted, rows)
     return VocabEncoder.from_counter(counter, min_frequency)
 
 
@@ -262,6 +283,7 @@ def prepare_criteo(
     valid: PathArg | Sequence[PathArg] | None = None,
     test: PathArg | Sequence[PathArg] | None = None,
     force: bool = False,
+    workers: int = 0,
 ) -> Path:
     """Convert raw Criteo files into the prepared directory ``out_dir``; returns it.
 
@@ -274,6 +296,8 @@ def prepare_criteo(
     ``days`` | ``files`` (with ``valid`` and/or ``test`` files), see :mod:`.splits`.
     ``chunk_rows``: lines parsed at a time (memory; the output does not depend on it).
     ``on_malformed``: ``skip`` (at most ``max_malformed_fraction`` of the lines read) or ``fail``.
+    ``workers``: processes that parse and encode runs of lines while this one reads and writes
+    (0: all in this process); the output is the same bytes whatever it is.
 
     An ``out_dir`` whose metadata records the same inputs and parameters is reused unless
     ``force``. Errors are one-line :class:`UserInputError`; a failed conversion leaves no
@@ -282,6 +306,7 @@ def prepare_criteo(
     """
     params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
                      max_malformed_fraction, chunk_rows)
+    workers = check_workers(workers)
     out_dir = Path(out_dir)
     sources = _sources(as_paths(raw), as_paths(valid), as_paths(test), split, layout)
     _check_out_dir(out_dir, sources)
@@ -297,7 +322,7 @@ def prepare_criteo(
             return f"its {METADATA} records other inputs or settings than this run's"
         return None
 
-    return build_once(out_dir, lambda target: _convert(sources, params, target, chunk_rows), why_stale,
+    return build_once(out_dir, lambda target: _convert(sources, params, target, chunk_rows, workers), why_stale,
                       force=force)
 
 
@@ -306,7 +331,7 @@ def _recorded_inputs(sources: list[_Source]) -> list[dict[str, Any]]:
              "role": SPLIT_NAMES[s.role] if s.role is not None else "split"} for s in sources]
 
 
-def _convert(sources: list[_Source], params: dict[str, Any], out_dir: Path, chunk_rows: int) -> Path:
+def _convert(sources: list[_Source], params: dict[str, Any], out_dir: Path, chunk_rows: int, workers: int) -> Path:
     """The streaming conversion (see the module docstring) of ``sources`` into ``out_dir``."""
     started = time.perf_counter()
     split = params["split"]
@@ -317,17 +342,27 @@ def _convert(sources: list[_Source], params: dict[str, Any], out_dir: Path, chun
         encoder = HashEncoder(params["max_ind_range"])
     else:
         # Its own log: the conversion pass below sees these lines again and reports them.
-        encoder = _build_vocabulary(sources, plan, params["min_frequency"], chunk_rows, MalformedLog(*policy))
+        encoder = _build_vocabulary(sources, plan, params["min_frequency"], chunk_rows, MalformedLog(*policy),
+                                    workers)
 
     malformed = MalformedLog(*policy)
     progress = _Progress("conversion")
-    with PreparedWriter(out_dir) as writer:
-        for index, source in enumerate(sources):
-            for chunk in iter_raw_chunks(source.path, source.layout, chunk_rows, malformed):
-                progress.add(chunk.n_lines)
-                _write_chunk(writer, plan.assign(index, chunk.rows), chunk.labels,
-                             dense_log1p(chunk.dense), encoder.encode(chunk.sparse))
-                del chunk  # before the next run is read: memory holds one run at a time
+    readers = _readers(sources, malformed)
+    with PreparedWriter(out_dir) as writer, OrderedPool(workers, share, (plan, encoder)) as pool:
+        # Runs are parsed and encoded in the workers; they come back in file order and are
+        # written here, so the parts are the same bytes whatever the number of workers.
+        finished = 0  # readers before this one have seen their whole file
+        for source, run, codes in pool.map(convert_run, _tasks(sources, chunk_rows, malformed.keep)):
+            for reader in readers[finished:source]:
+                reader.finish()
+            finished = source
+            chunk = readers[source].take(run)
+            progress.add(chunk.n_lines)
+            encoder.record_used(chunk.sparse)
+            _write_chunk(writer, codes, chunk.labels, chunk.dense, chunk.sparse)
+            del chunk, run  # before the next run is taken: memory holds a few runs at a time
+        for reader in readers[finished:]:
+            reader.finish()
         malformed.check()
         rows = writer.rows
         if rows["train"] == 0:
@@ -344,7 +379,7 @@ def _convert(sources: list[_Source], params: dict[str, Any], out_dir: Path, chun
             split={**plan.metadata(), "rows": rows},
             malformed=malformed.summary(),
             conversion={"rows_read": malformed.rows_read, "rows_written": sum(rows.values()),
-                        "elapsed_seconds": round(elapsed, 3), "chunk_rows": int(chunk_rows),
+                        "elapsed_seconds": round(elapsed, 3), "chunk_rows": int(chunk_rows), "workers": workers,
                         "converter": f"recforge.data.criteo.prepare v{CONVERTER_VERSION}", "params": params},
         )
     log.info("prepared %s: %s in %.1f s (%s malformed lines skipped)", path,
@@ -405,14 +440,17 @@ def ensure_prepared(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     on_malformed: str = "skip",
     max_malformed_fraction: float = DEFAULT_MAX_MALFORMED_FRACTION,
+    workers: int = 0,
 ) -> Path:
     """``cache_root/<prepared_key(raw, ...)>``, converted as :func:`prepare_criteo` does (same
-    parameters) unless it already holds a complete prepared directory. Concurrent callers (one
+    parameters; ``workers`` is not part of the key: the output does not depend on it) unless it
+    already holds a complete prepared directory. Concurrent callers (one
     per process of a distributed run) wait for the first, which converts
     (:func:`recforge.data.prepared_dir.build_once`).
     """
     params = _params(layout, categorical, max_ind_range, min_frequency, split, seed, on_malformed,
                      max_malformed_fraction, chunk_rows)
+    workers = check_workers(workers)
     root = Path(cache_root)
     key, legacy_key = _keys(raw, valid, test, params)
     target, legacy = root / key, root / legacy_key
@@ -428,7 +466,7 @@ def ensure_prepared(
     def build(target: Path) -> Path:
         sources = _sources(as_paths(raw), as_paths(valid), as_paths(test), split, layout)
         log.info("converting %s into %s", [str(s.path) for s in sources], target)
-        return _convert(sources, params, target, chunk_rows)
+        return _convert(sources, params, target, chunk_rows, workers)
 
     return build_once(target, build, _why_incomplete)
 
@@ -469,6 +507,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--test", nargs="+", help="--split files: the test file(s)")
     parser.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
                         help=f"lines parsed at a time; memory follows it (default {DEFAULT_CHUNK_ROWS:,})")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="worker processes that parse and encode runs of lines in parallel (any number of "
+                        "files; the output is the same bytes as with 0, which converts in this process)")
     parser.add_argument("--on-malformed", choices=("skip", "fail"), default="skip",
                         help="skip malformed lines (counted, with examples) or fail at the first")
     parser.add_argument("--max-malformed-fraction", type=float, default=DEFAULT_MAX_MALFORMED_FRACTION,
@@ -485,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_ind_range=args.max_ind_range, min_frequency=args.min_frequency, split=args.split,
         seed=args.seed, chunk_rows=args.chunk_rows, on_malformed=args.on_malformed,
         max_malformed_fraction=args.max_malformed_fraction, valid=args.valid, test=args.test,
-        force=args.force,
+        force=args.force, workers=args.workers,
     ))
     meta = read_metadata(out)
     rows = meta["split"]["rows"]

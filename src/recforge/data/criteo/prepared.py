@@ -22,6 +22,7 @@ removed on any error, so a failed conversion never leaves a directory that looks
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Sequence
@@ -104,7 +105,10 @@ class PreparedWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.finished:
-            self._close_writers()
+            try:
+                self._close_writers()
+            except OSError:
+                pass  # the staged files go anyway; the error that brought us here is the one to tell
         self._staged.__exit__(exc_type, exc, tb)
 
     @property
@@ -132,6 +136,21 @@ class PreparedWriter:
         return writer
 
     def write(self, split: str, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> None:
+        try:
+            self._write(split, labels, dense, sparse)
+        except OSError as error:
+            raise self._write_error(error) from None
+
+    def _write_error(self, error: OSError) -> PreparedDataError:
+        """A failed write (a full disk, a quota, a read-only file system) as one line naming the
+        directory; raised inside the with-block, so the staged files are removed on the way out."""
+        text = str(error)
+        full = error.errno == errno.ENOSPC or "No space left" in text
+        what = "the disk is full" if full else (error.strerror or text or type(error).__name__)
+        return PreparedDataError(f"{self.out_dir}: writing the prepared data failed ({what}); "
+                                 "nothing was left there")
+
+    def _write(self, split: str, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> None:
         if self._tmp is None:
             raise RuntimeError("PreparedWriter is used outside its with-block")
         if split not in SPLITS:
@@ -165,14 +184,20 @@ class PreparedWriter:
         cardinalities = [int(c) for c in cardinalities]
         if len(cardinalities) != N_SPARSE or min(cardinalities) < 1:
             raise ValueError(f"expected {N_SPARSE} positive cardinalities, got {cardinalities}")
-        self._close_writers()
+        try:
+            self._close_writers()
+        except OSError as error:
+            raise self._write_error(error) from None
         splits = {
             s: {"rows": self._rows[s], "positives": self._positives[s], "files": self._files[s]}
             for s in SPLITS if self._rows[s]
         }
         meta = {"format": FORMAT, "version": VERSION, "splits": splits, "cardinalities": cardinalities,
                 "dense_transform": "log1p_clip0", **metadata}
-        self._staged.publish(meta)
+        try:
+            self._staged.publish(meta)
+        except OSError as error:
+            raise self._write_error(error) from None
         self.finished = True
         return self.out_dir
 

@@ -45,13 +45,17 @@ __all__ = [
     "Layout",
     "MalformedInputError",
     "MalformedLog",
+    "ParsedRun",
     "RawChunk",
     "RawInputError",
+    "RunReader",
     "count_data_lines",
     "detect_layout",
     "explain",
     "iter_raw_chunks",
+    "iter_runs",
     "open_raw",
+    "parse_run",
     "take_rows",
 ]
 
@@ -611,50 +615,100 @@ def _hex_problem(value: str) -> str:
 
 
 @dataclass
-class _FileState:
-    path: Path
-    layout: Layout
-    malformed: MalformedLog
-    data_index: int = 0  # data-line index of the next run's first line
-    good_in_probe: int = 0  # valid rows among the first PROBE_LINES lines
-    first_problem: str = ""
+class ParsedRun:
+    """One run of lines parsed on its own (in any process): its valid rows and what was wrong
+    with the others. ``bad_lines``: 1-based file line numbers of the malformed lines;
+    ``reasons``: why, for the first ``keep`` of them; ``good_in_probe``: valid rows among the
+    file's first :data:`PROBE_LINES` data lines that fall in this run."""
 
-    @property
-    def first_line(self) -> int:
-        """The file line number of data line 0."""
-        return 2 if self.layout.header else 1
+    chunk: RawChunk
+    bad_lines: np.ndarray
+    reasons: list[str]
+    good_in_probe: int
 
 
-def _read_run(buf: np.ndarray, state: _FileState) -> RawChunk:
-    """Parse one padded run of lines, record its malformed lines, return its valid rows."""
-    layout, path = state.layout, state.path
+def parse_run(buf: np.ndarray, path: Path, layout: Layout, data_index: int, keep: int) -> ParsedRun:
+    """Parse one padded run of lines whose first line is data line ``data_index`` of ``path``.
+
+    A pure function of its arguments, so runs can be parsed in worker processes and taken in
+    file order by :class:`RunReader`, with the same result as one process reading them in turn.
+    """
     lines = _split_lines(buf, ord(layout.sep), layout.n_fields)
     labels, dense, sparse, bad_values = _parse(lines, layout)
     ok = np.zeros(len(lines.good), dtype=bool)
     ok[lines.good] = ~bad_values
-    n_lines = len(ok)
-    state.malformed.rows_read += n_lines
     bad_at = np.flatnonzero(~ok)
-    line_of = state.data_index + state.first_line
-
-    def reason(k: int) -> str:
-        i = bad_at[k]
-        return explain(buf[lines.line_start[i]:lines.line_end[i]].tobytes(), layout) or "malformed"
-
-    if len(bad_at) and not state.first_problem:
-        state.first_problem = f"{path}:{line_of + bad_at[0]}: {reason(0)}"
-    state.malformed.record(path, bad_at + line_of, reason)
-    if state.data_index < PROBE_LINES:
-        state.good_in_probe += int(ok[:PROBE_LINES - state.data_index].sum())
-        if state.data_index + n_lines >= PROBE_LINES and state.good_in_probe == 0:
-            _refuse(state, f"the first {PROBE_LINES} lines")
-    rows = np.flatnonzero(ok).astype(np.int64) + state.data_index
+    reasons = [explain(buf[lines.line_start[i]:lines.line_end[i]].tobytes(), layout) or "malformed"
+               for i in bad_at[:max(keep, 1)]]
+    good_in_probe = int(ok[:max(PROBE_LINES - data_index, 0)].sum())
+    rows = np.flatnonzero(ok).astype(np.int64) + data_index
     if len(rows) < len(labels):
-        keep = ok[lines.good]
-        labels, dense, sparse = labels[keep], take_rows(dense, keep), take_rows(sparse, keep)
-    chunk = RawChunk(path, state.data_index, n_lines, rows, labels, dense, sparse)
-    state.data_index += n_lines
-    return chunk
+        keep_rows = ok[lines.good]
+        labels, dense, sparse = labels[keep_rows], take_rows(dense, keep_rows), take_rows(sparse, keep_rows)
+    first_line = 2 if layout.header else 1
+    chunk = RawChunk(path, data_index, len(ok), rows, labels, dense, sparse)
+    return ParsedRun(chunk, bad_at + data_index + first_line, reasons, good_in_probe)
+
+
+def iter_runs(path: str | os.PathLike[str], layout: Layout, chunk_rows: int) -> Iterator[tuple[np.ndarray, int]]:
+    """``(run, data_index)``: the padded runs of ``chunk_rows`` lines of ``path`` (the header cut
+    off the first) and the data-line index of each run's first line, read in order."""
+    if chunk_rows < 1:
+        raise RawInputError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    path = Path(path)
+    data_index = 0
+    skip_header = layout.header
+    for buf in _line_chunks(path, chunk_rows):
+        lines = chunk_rows  # every run but the last holds chunk_rows lines; the last is not followed
+        if skip_header:
+            header_end = _PAD + int(np.argmax(buf[_PAD:] == _NL)) + 1
+            buf, skip_header, lines = buf[header_end - _PAD:], False, chunk_rows - 1
+            if buf.size == _PAD:
+                continue
+        yield buf, data_index
+        del buf
+        data_index += lines
+
+
+class RunReader:
+    """The parent's side of reading one file run by run: it takes the :class:`ParsedRun` s in file
+    order (:meth:`take`), counts malformed lines into ``malformed`` (and applies its policy),
+    refuses a file whose first :data:`PROBE_LINES` lines are all malformed, and at the end
+    (:meth:`finish`) a file without data lines."""
+
+    def __init__(self, path: str | os.PathLike[str], layout: Layout, malformed: MalformedLog) -> None:
+        self.path = Path(path)
+        self.layout = layout
+        self.malformed = malformed
+        self.data_lines = 0
+        self.good_in_probe = 0
+        self.first_problem = ""
+
+    def take(self, run: ParsedRun) -> RawChunk:
+        chunk = run.chunk
+        self.malformed.rows_read += chunk.n_lines
+        if len(run.bad_lines) and not self.first_problem:
+            self.first_problem = f"{self.path}:{int(run.bad_lines[0])}: {run.reasons[0]}"
+        self.malformed.record(self.path, run.bad_lines, run.reasons.__getitem__)
+        if chunk.first_line < PROBE_LINES:
+            self.good_in_probe += run.good_in_probe
+            if chunk.first_line + chunk.n_lines >= PROBE_LINES and self.good_in_probe == 0:
+                self._refuse(f"the first {PROBE_LINES} lines")
+        self.data_lines = chunk.first_line + chunk.n_lines
+        return chunk
+
+    def finish(self) -> None:
+        if self.data_lines == 0:
+            what = "after the header " if self.layout.header else ""
+            raise RawInputError(f"{self.path}: no data lines {what}(expected Criteo rows)")
+        if self.data_lines < PROBE_LINES and self.good_in_probe == 0:
+            self._refuse(f"its {self.data_lines} line(s)")
+
+    def _refuse(self, which: str) -> None:
+        raise MalformedInputError(
+            f"{self.path}: none of {which} is a valid Criteo row ({self.layout.describe()}); "
+            f"first: {self.first_problem}"
+        )
 
 
 def iter_raw_chunks(
@@ -663,36 +717,18 @@ def iter_raw_chunks(
     chunk_rows: int,
     malformed: MalformedLog,
 ) -> Iterator[RawChunk]:
-    """The valid rows of ``path``, ``chunk_rows`` lines at a time (see :class:`RawChunk`).
+    """The valid rows of ``path``, ``chunk_rows`` lines at a time (see :class:`RawChunk`), parsed
+    in this process (:mod:`recforge.data.criteo.workers` parses runs in worker processes).
 
     Malformed lines go to ``malformed``; a file whose first :data:`PROBE_LINES` lines (or all,
     if fewer) are all malformed raises :class:`MalformedInputError` at once, whatever the policy.
     A header (``layout.header``) is skipped. Memory: one run of lines and its arrays (drop each
     chunk before asking for the next to keep it at one).
     """
-    state = _FileState(Path(path), layout, malformed)
-    if chunk_rows < 1:
-        raise RawInputError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    skip_header = layout.header
-    for buf in _line_chunks(state.path, chunk_rows):
-        if skip_header:
-            header_end = _PAD + int(np.argmax(buf[_PAD:] == _NL)) + 1
-            buf, skip_header = buf[header_end - _PAD:], False
-            if buf.size == _PAD:
-                continue
-        chunk = _read_run(buf, state)
+    reader = RunReader(path, layout, malformed)
+    for buf, data_index in iter_runs(path, layout, chunk_rows):
+        chunk = reader.take(parse_run(buf, reader.path, layout, data_index, malformed.keep))
         del buf
         yield chunk
         del chunk
-    if state.data_index == 0:
-        what = "after the header " if layout.header else ""
-        raise RawInputError(f"{state.path}: no data lines {what}(expected Criteo rows)")
-    if state.data_index < PROBE_LINES and state.good_in_probe == 0:
-        _refuse(state, f"its {state.data_index} line(s)")
-
-
-def _refuse(state: _FileState, which: str) -> None:
-    raise MalformedInputError(
-        f"{state.path}: none of {which} is a valid Criteo row ({state.layout.describe()}); "
-        f"first: {state.first_problem}"
-    )
+    reader.finish()

@@ -40,6 +40,8 @@ __all__ = [
     "HashEncoder",
     "ValueCounter",
     "VocabEncoder",
+    "count_chunk",
+    "count_values",
     "dense_log1p",
 ]
 
@@ -88,15 +90,21 @@ class HashEncoder:
         return [self.max_ind_range + 1] * N_SPARSE
 
     def encode(self, sparse: np.ndarray) -> np.ndarray:
-        """[n, 26] values (-1 = missing) -> [n, 26] int32 indices (column-major); marks the rows used."""
+        """[n, 26] values (-1 = missing) -> [n, 26] int32 indices (column-major). A pure function
+        (it may run in a worker process); :meth:`record_used` counts the rows."""
         out = np.empty(sparse.shape, dtype=np.int32, order="F")
         for j in range(N_SPARSE):
             col = sparse[:, j]
             index = col % self.max_ind_range + 1
             index[col < 0] = MISSING_INDEX
-            np.bitwise_or.at(self._used[j], index >> 3, np.left_shift(1, index & 7).astype(np.uint8))
             out[:, j] = index
         return out
+
+    def record_used(self, indices: np.ndarray) -> None:
+        """Mark the table rows of [n, 26] ``indices`` (from :meth:`encode`) as used."""
+        for j in range(N_SPARSE):
+            index = indices[:, j]
+            np.bitwise_or.at(self._used[j], index >> 3, np.left_shift(1, index & 7).astype(np.uint8))
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -106,6 +114,17 @@ class HashEncoder:
             "missing_index": MISSING_INDEX,
             "rows_used": [int(np.bitwise_count(row).sum()) for row in self._used],
         }
+
+
+def count_values(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct ``values`` (uint32, sorted) and how often each occurs (int64)."""
+    keys, counts = np.unique(values.astype(np.uint32), return_counts=True)
+    return keys, counts.astype(np.int64)
+
+
+def count_chunk(sparse: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`count_values` of each feature's present values in [n, 26] ``sparse`` (-1 = missing)."""
+    return [count_values(sparse[:, j][sparse[:, j] >= 0]) for j in range(N_SPARSE)]
 
 
 class _FeatureCounts:
@@ -118,8 +137,11 @@ class _FeatureCounts:
         self._pending_size = 0
 
     def add(self, values: np.ndarray) -> None:
-        keys, counts = np.unique(values.astype(np.uint32), return_counts=True)
-        self._pending.append((keys, counts.astype(np.int64)))
+        self.add_counted(*count_values(values))
+
+    def add_counted(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Add the counts of distinct values ``keys`` (as :func:`count_values` gives them)."""
+        self._pending.append((keys, counts))
         self._pending_size += len(keys)
         if self._pending_size >= max(len(self.keys), _MERGE_MIN):
             self.merge()
@@ -152,10 +174,13 @@ class ValueCounter:
 
     def update(self, sparse: np.ndarray) -> None:
         """Count the present values of [n, 26] ``sparse`` (-1 = missing)."""
-        self.rows += len(sparse)
-        for j, feature in enumerate(self.features):
-            col = sparse[:, j]
-            feature.add(col[col >= 0])
+        self.update_counted(count_chunk(sparse), len(sparse))
+
+    def update_counted(self, counted: list[tuple[np.ndarray, np.ndarray]], rows: int) -> None:
+        """Add :func:`count_chunk`'s counts of ``rows`` rows (counted elsewhere, e.g. in a worker)."""
+        self.rows += int(rows)
+        for feature, (keys, counts) in zip(self.features, counted):
+            feature.add_counted(keys, counts)
 
     def finish(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(sorted distinct values uint32, counts int64) per feature."""
@@ -206,6 +231,9 @@ class VocabEncoder:
                 index = np.full(len(col), OOV_INDEX)
             out[:, j] = np.where(col < 0, MISSING_INDEX, index)
         return out
+
+    def record_used(self, indices: np.ndarray) -> None:
+        """Nothing to record: every index of a vocabulary is a kept value."""
 
     def metadata(self) -> dict[str, Any]:
         return {
