@@ -20,8 +20,8 @@ under ``--data-dir`` (keep it out of the repo); or name real data with ``--overr
 data.ratings_path=...``.
 
     python benchmarks/eval_at_size.py --experiment sasrec_ml-20m --users-in-data 138493 --items 27278
-    python benchmarks/eval_at_size.py --experiment hstu_amzn-books --users-in-data 20000 --items 695762 \\
-        --min-length 5 --max-length 200 --users 8192      # one partial Books pass (8,192 users)
+    python benchmarks/eval_at_size.py --experiment hstu_amzn-books --users-in-data 100000 --items 695762 \\
+        --min-length 5 --max-length 200 --sample 8192     # one partial Books validation (8,192 users)
 
 A measurement tool: nothing here asserts.
 """
@@ -50,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--items", type=int, default=27_278, help="generated catalogue size")
     p.add_argument("--min-length", type=int, default=20)
     p.add_argument("--max-length", type=int, default=600)
-    p.add_argument("--users", type=int, default=None, help="evaluate only the first N test users")
+    p.add_argument("--users", type=int, default=None, help="evaluate only the first N test users (longest first)")
+    p.add_argument("--sample", type=int, default=None,
+                   help="one partial validation pass instead: evaluation.max_users=N, a sampled epoch")
     p.add_argument("--eval-batch-size", type=int, default=None, help="data.eval_batch_size")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default="data/bench", help="where generated data is cached")
@@ -86,11 +88,13 @@ def main(argv=None) -> int:
     names_data = any(o.split("=", 1)[0].startswith("data.ratings_path") or o.startswith("data=")
                      for o in args.override)
     generated = [] if names_data else [
-        "data=synthetic_histories", "data.protocol=reference",
+        "data=synthetic_histories", f"data.protocol={'loo' if args.sample else 'reference'}",
         f"data.generator.n_users={args.users_in_data}", f"data.generator.n_items={args.items}",
         f"data.generator.min_length={args.min_length}", f"data.generator.max_length={args.max_length}",
     ]
     sized = [f"data.eval_batch_size={args.eval_batch_size}"] if args.eval_batch_size else []
+    if args.sample:
+        sized += [f"evaluation.max_users={args.sample}", "evaluation.full_every_n_epochs=5"]
     compose_args = argparse.Namespace(experiment=args.experiment, device="cpu", batch_size=None,
                                       override=generated + sized + args.override, data_dir=args.data_dir)
     with tempfile.TemporaryDirectory(prefix="recforge-evalsize-") as tmp:
@@ -101,8 +105,17 @@ def main(argv=None) -> int:
         if args.generate_only:
             print(f"# data ready in {time.perf_counter() - started:.1f} s")
             return 0
-        loader = datamodule.test_dataloader()
+        split = "test"
+        if args.sample:
+            # the validation loader as a fit builds it, at an epoch that ranks the sample only
+            split = "val"
+            datamodule.trainer = argparse.Namespace(lightning_module=task, global_rank=0, world_size=1)
+            loader = datamodule.val_dataloader()
+            loader.sampler.set_epoch(1)
+        else:
+            loader = datamodule.test_dataloader()
         n_test = len(loader.dataset)
+        step = task.validation_step if split == "val" else task.test_step
         task.eval()
         # code paths loaded on two users before the baseline (no batch-sized buffer cached yet)
         tiny = next(iter(torch.utils.data.DataLoader(loader.dataset, batch_size=2, collate_fn=loader.collate_fn)))
@@ -119,17 +132,17 @@ def main(argv=None) -> int:
                 if args.users is not None and users >= args.users:
                     break
                 t0 = time.perf_counter()
-                task.test_step(batch, index)
+                step(batch, index)
                 batch_times.append(time.perf_counter() - t0)
                 users += batch.size
         pass_s = time.perf_counter() - pass_start
-        metrics = {k: round(float(v), 5) for k, v in task.evaluation.compute_and_reset("test").items()}
+        metrics = {k: round(float(v), 5) for k, v in task.evaluation.compute_and_reset(split).items()}
         peak_kb, rss_after = _status_kb("VmHWM"), _status_kb("VmRSS")
     data = cfg.data
     result = {
         "benchmark": "eval_at_size", "experiment": args.experiment, "overrides": overrides,
         "threads": args.threads, "torch": torch.__version__, "cpu": cpu_model(), "load_average": load_average(),
-        "n_items": task.n_items, "test_users": n_test, "users_evaluated": users,
+        "n_items": task.n_items, "split_users": n_test, "users_evaluated": users,
         "eval_batch_size": data.eval_batch_size, "max_seq_len": data.max_seq_len,
         "chunk_size": cfg.evaluation.chunk_size, "setup_s": round(setup_s, 1), "pass_s": round(pass_s, 1),
         "users_per_s": round(users / pass_s, 1), "full_pass_projected_s": round(n_test * pass_s / max(users, 1), 1),
@@ -139,7 +152,7 @@ def main(argv=None) -> int:
         "pass_added_mb": round((peak_kb - baseline_rss) / 1024) if reset else None,
         "rss_after_mb": round(rss_after / 1024), "metrics": metrics,
     }
-    print(f"# {args.experiment}: {users:,} of {n_test:,} users x {task.n_items:,} items, eval batch "
+    print(f"# {args.experiment}, {'a sampled validation' if args.sample else 'the test'} pass: {users:,} of {n_test:,} users x {task.n_items:,} items, eval batch "
           f"{data.eval_batch_size}, max_seq_len {data.max_seq_len}, chunk {cfg.evaluation.chunk_size}, "
           f"{args.threads} threads")
     print(f"# pass {pass_s:.1f} s ({users / pass_s:.0f} users/s; all {n_test:,}: "

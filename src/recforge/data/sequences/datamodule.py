@@ -33,34 +33,44 @@ log = logging.getLogger(__name__)
 
 
 class _EvalShard(DistributedSampler):
-    """Every ``world``-th row from ``rank``, in order, without the padding DistributedSampler adds
-    (a padded row would be counted twice in the metrics). Being a DistributedSampler, Lightning
-    keeps it instead of injecting its own.
+    """Every ``world``-th row from ``rank``, without the padding DistributedSampler adds (a padded
+    row would be counted twice in the metrics). Being a DistributedSampler, Lightning keeps it
+    instead of injecting its own.
 
-    With the task's ``sample`` (:class:`recforge.evaluation.user_sample.ValidationSample`), each
-    pass ranks the rows the sample plans for the epoch Lightning sets while fitting (its share of
-    the sampled users, then on a full epoch of the others; outside a fit every row)."""
+    A share is ranked longest history first: the encoders pad a batch to its longest row, so
+    batches of like lengths skip most of that padding (the metrics are sums: order-free), and the
+    largest batch comes first. With the task's ``sample``
+    (:class:`recforge.evaluation.user_sample.ValidationSample`), each pass ranks the rows the
+    sample plans for the epoch Lightning sets while fitting: its share of the sampled users, then
+    on a full epoch of the others (outside a fit every row)."""
 
     def __init__(self, dataset: RowDataset, num_replicas: int, rank: int,
                  sample: ValidationSample | None = None) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        self._rows = range(rank, len(dataset), num_replicas)
+        rows = dataset.rows
+        self._lengths = np.minimum(rows.targets - rows.starts, dataset.max_seq_len)
         self._sample = sample
         self._epoch: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
 
+    def _longest_first(self, rows: np.ndarray) -> np.ndarray:
+        return rows[np.argsort(-self._lengths[rows], kind="stable")]
+
     def __iter__(self):
         if self._sample is None:
-            return iter(self._rows)
-        return iter(self._sample.start_pass(self._epoch, len(self.dataset), self.rank, self.num_replicas).tolist())
+            return iter(self._longest_first(np.arange(self.rank, len(self.dataset), self.num_replicas)).tolist())
+        rows = self._sample.start_pass(self._epoch, len(self.dataset), self.rank, self.num_replicas)
+        sampled = self._sample.current.rank_sample_rows  # routed by position: keep them first
+        return iter(np.concatenate([self._longest_first(rows[:sampled]),
+                                    self._longest_first(rows[sampled:])]).tolist())
 
     def __len__(self) -> int:
         # a full pass's length: Lightning counts the batches once and stops a pass there, so a
         # shorter (sampled) pass simply ends sooner
         if self._sample is None:
-            return len(self._rows)
+            return len(range(self.rank, len(self.dataset), self.num_replicas))
         return len(self._sample.plan(None, len(self.dataset), self.rank, self.num_replicas)[0])
 
 
@@ -255,8 +265,9 @@ class HistoryDataModule(RecDataModule):
     def eval_dataloader(self, split: str) -> DataLoader:
         dataset = self.dataset(split)
         rank, world = self.rank_and_world()
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        sample = getattr(module, "validation_sample", None) if split == "val" else None
+        # the task's sample of validation users (evaluation.max_users), read as min_batch_rows is
+        module = getattr(self.trainer, "lightning_module", None) if split == "val" else None
+        sample = getattr(module, "validation_sample", None)
         return self._loader(
             dataset, batch_size=self.eval_batch_size, sampler=_EvalShard(dataset, world, rank, sample)
         )
