@@ -28,8 +28,9 @@ class FullRanking(SplitEvaluation):
     checkpointing, early stopping and sweeps follow (``optimized_metric``); it must be one
     this evaluation logs.
 
-    ``max_users``: validate on a fixed sample of that many users (drawn once from ``seed``) on
-    every epoch but every ``full_every_n_epochs``-th (epochs 0, n, 2n, ..., the reference's
+    ``max_users``: validate on a fixed sample of that many users (drawn once from
+    ``sample_seed``, the run's seed in the config) on every epoch but every
+    ``full_every_n_epochs``-th (epochs 0, n, 2n, ..., the reference's
     schedule), which ranks every user; the test split is always whole
     (:class:`recforge.evaluation.user_sample.ValidationSample`). The sample's figures are logged
     as ``val_sample/...`` on every epoch, the whole split's as ``val/...`` on full epochs only, and
@@ -57,9 +58,9 @@ class FullRanking(SplitEvaluation):
         monitor: str | None = None,
         max_users: Annotated[int, Range(ge=1)] | None = None,
         full_every_n_epochs: Annotated[int, Range(ge=1)] | None = None,
-        seed: int | None = 0,
+        sample_seed: int | None = 0,
     ) -> None:
-        sample = None if max_users is None else ValidationSample(max_users, full_every_n_epochs, seed or 0)
+        sample = None if max_users is None else ValidationSample(max_users, full_every_n_epochs, sample_seed or 0)
         if sample is not None and full_every_n_epochs is None and monitor is not None \
                 and not monitor.startswith(f"{SAMPLE_PREFIX}/"):
             raise UserInputError(
