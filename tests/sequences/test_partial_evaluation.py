@@ -252,3 +252,27 @@ def test_ddp_ranks_share_the_sample_and_report_its_figure(make_cfg, tmp_path, da
     want = {k.split("/", 1)[1]: float(v) for k, v in plain.compute_and_reset("val").items()}
     last = {name: _val_series(run_dir, f"val_sample/{name}")[1] for name in want}
     assert last == pytest.approx(want, abs=1e-5)
+
+
+def test_each_evaluation_pass_ranks_against_the_weights_of_its_time(make_cfg):
+    # the catalogue's vectors are computed once per pass: a pass after an update must see the update
+    cfg = make_cfg(*SMALL)
+    datamodule, task = build(cfg)
+    datamodule.setup("fit")
+    task.eval()
+    batches = list(datamodule.val_dataloader())
+    figures = []
+    for shift in (0.0, 0.5):
+        with torch.no_grad():
+            task.model.item_table.add_(shift * torch.randn_like(task.model.item_table))
+        plain = FullRanking(ks=cfg.evaluation.ks, metrics=cfg.evaluation.metrics, full_mrr=True)
+        _rank(plain, task, batches)
+        task.on_validation_epoch_start()
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                task.validation_step(batch, i)
+        got = task.evaluation.compute_and_reset("val")
+        want = plain.compute_and_reset("val")
+        assert {k: float(v) for k, v in got.items()} == pytest.approx({k: float(v) for k, v in want.items()})
+        figures.append(float(got["val/mrr"]))
+    assert figures[0] != figures[1]
