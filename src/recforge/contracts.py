@@ -104,7 +104,9 @@ class Task(Protocol):
 
     ``min_batch_rows``: the fewest rows a training mini-batch may have for its loss to learn
     (2 when a mini-batch's own targets are its only negatives); a loader that cuts batches of
-    varying size (session-parallel) never yields fewer.
+    varying size (session-parallel) never yields fewer. ``validation_sample``: the users a
+    validation pass ranks (:class:`recforge.evaluation.user_sample.ValidationSample`, or None for
+    all), read by a data module that declares ``samples_validation_users``.
     """
 
     min_batch_rows: int

@@ -171,6 +171,11 @@ class RankingMetrics(Metric):
         names = [f"{name}@{k}" for name in self.metric_names for k in self.ks]
         return names + (["mrr"] if self.full_mrr else [])
 
+    def count(self) -> Tensor:
+        """Rows ranked so far, summed over DDP ranks (int64 scalar)."""
+        with self.sync_context(should_sync=self.sync_on_compute):
+            return self.n_events.clone()
+
     def compute(self) -> dict[str, Tensor]:  # type: ignore[override]
         """Return ``{"name@k": scalar}`` (plus ``"mrr"`` if ``full_mrr``); zeros when empty."""
         # clamp keeps the zero-event case at 0/1 = 0 without a host-side branch.

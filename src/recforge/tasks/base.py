@@ -8,6 +8,7 @@ the epoch's mean training loss, and the logging of the evaluation's metrics.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
@@ -17,9 +18,13 @@ from torch import nn
 
 from recforge.contracts import Evaluation
 from recforge.config_checks import CONF_DIR
+from recforge.errors import UserInputError
+from recforge.evaluation.user_sample import SAMPLE_PREFIX, ValidationSample
 from recforge.optim.sparse_capable import check_optimizer_takes_sparse
 from recforge.optim.clipping import clip_grad_norm_, clip_grad_value_
 from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parameter_names
+
+log = logging.getLogger(__name__)
 
 
 class RecTask(L.LightningModule):
@@ -78,9 +83,43 @@ class RecTask(L.LightningModule):
         self._lazy_factories: dict[str, Callable[[], Any]] = {}
         self._lazy_objects: dict[str, Any] = {}
         self._pending_states: dict[str, dict] = {}
+        # the names the last validation pass logged: checkpointing and early stopping act on a
+        # pass only if it logged their monitor (recforge.callbacks.fresh_monitor)
+        self.last_validation_logged: set[str] | None = None
+
+    @property
+    def validation_sample(self) -> ValidationSample | None:
+        """The evaluation's sample of validation users (None: every user, every epoch), which the
+        data module's validation loader reads (:class:`recforge.contracts.Task`)."""
+        return getattr(self.evaluation, "validation_sample", None)
+
+    def _check_validation_sample(self, stage: str) -> None:
+        sample = self.validation_sample
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if sample is None or datamodule is None:
+            return
+        if not getattr(datamodule, "samples_validation_users", False):
+            raise UserInputError(
+                f"evaluation.max_users={sample.max_users}: {type(datamodule).__name__} cannot "
+                "validate on a sample of users (the user-history data of SASRec and HSTU can); "
+                "set evaluation.max_users=null"
+            )
+        monitor = self.evaluation.monitor
+        if monitor is None or stage != "fit" or not self.trainer.is_global_zero:
+            return
+        n = sample.full_every_n_epochs
+        full = f"every user on epochs 0, {n}, {2 * n}, ... (val/...)" if n else "never every user"
+        if monitor.startswith(f"{SAMPLE_PREFIX}/"):
+            follows = (f"checkpointing and early stopping follow {monitor}, a figure over the sample, "
+                       "not the whole validation split (opted in by monitoring it)")
+        else:
+            follows = f"checkpointing and early stopping follow {monitor} on full evaluations only"
+        log.info("validation ranks a fixed sample of %d users (seed %d, %s/...) every epoch and %s; %s",
+                 sample.max_users, sample.seed, SAMPLE_PREFIX, full, follows)
 
     # ------------------------------------------------------------------ DDP and sparse gradients
     def setup(self, stage: str) -> None:
+        self._check_validation_sample(stage)
         # Before the strategy wraps the module: under DDP the sparse item tables are averaged by
         # the task (optim/sparse_grad_sync.py), not by DDP's sparse all-reduce.
         if self.trainer.world_size > 1:
@@ -208,7 +247,10 @@ class RecTask(L.LightningModule):
     # ------------------------------------------------------------------ evaluation
     def _log_evaluation(self, split: str) -> None:
         # computed once per epoch: the metric sums are reduced across DDP ranks inside
-        self.log_dict(self.evaluation.compute_and_reset(split), sync_dist=False)
+        values = self.evaluation.compute_and_reset(split)
+        self.log_dict(values, sync_dist=False)
+        if split == "val":
+            self.last_validation_logged = set(values)
 
     def on_validation_epoch_end(self) -> None:
         self._log_evaluation("val")

@@ -25,6 +25,7 @@ from recforge.data.sequences.splits import (
 )
 from recforge.data.sequences.synthetic import SyntheticHistoriesConfig, write_synthetic_histories
 from recforge.errors import UserInputError
+from recforge.evaluation.user_sample import ValidationSample
 
 __all__ = ["HistoryDataModule", "SyntheticHistoryDataModule"]
 
@@ -32,19 +33,45 @@ log = logging.getLogger(__name__)
 
 
 class _EvalShard(DistributedSampler):
-    """Every ``world``-th row from ``rank``, in order, without the padding DistributedSampler adds
-    (a padded row would be counted twice in the metrics). Being a DistributedSampler, Lightning
-    keeps it instead of injecting its own."""
+    """Every ``world``-th row from ``rank``, without the padding DistributedSampler adds (a padded
+    row would be counted twice in the metrics). Being a DistributedSampler, Lightning keeps it
+    instead of injecting its own.
 
-    def __init__(self, dataset: RowDataset, num_replicas: int, rank: int) -> None:
+    A share is ranked longest history first: the encoders pad a batch to its longest row, so
+    batches of like lengths skip most of that padding (the metrics are sums: order-free), and the
+    largest batch comes first. With the task's ``sample``
+    (:class:`recforge.evaluation.user_sample.ValidationSample`), each pass ranks the rows the
+    sample plans for the epoch Lightning sets while fitting: its share of the sampled users, then
+    on a full epoch of the others (outside a fit every row)."""
+
+    def __init__(self, dataset: RowDataset, num_replicas: int, rank: int,
+                 sample: ValidationSample | None = None) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-        self._rows = range(rank, len(dataset), num_replicas)
+        rows = dataset.rows
+        self._lengths = np.minimum(rows.targets - rows.starts, dataset.max_seq_len)
+        self._sample = sample
+        self._epoch: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def _longest_first(self, rows: np.ndarray) -> np.ndarray:
+        return rows[np.argsort(-self._lengths[rows], kind="stable")]
 
     def __iter__(self):
-        return iter(self._rows)
+        if self._sample is None:
+            return iter(self._longest_first(np.arange(self.rank, len(self.dataset), self.num_replicas)).tolist())
+        rows = self._sample.start_pass(self._epoch, len(self.dataset), self.rank, self.num_replicas)
+        sampled = self._sample.current.rank_sample_rows  # routed by position: keep them first
+        return iter(np.concatenate([self._longest_first(rows[:sampled]),
+                                    self._longest_first(rows[sampled:])]).tolist())
 
     def __len__(self) -> int:
-        return len(self._rows)
+        # a full pass's length: Lightning counts the batches once and stops a pass there, so a
+        # shorter (sampled) pass simply ends sooner
+        if self._sample is None:
+            return len(range(self.rank, len(self.dataset), self.num_replicas))
+        return len(self._sample.plan(None, len(self.dataset), self.rank, self.num_replicas)[0])
 
 
 class HistoryDataModule(RecDataModule):
@@ -69,6 +96,8 @@ class HistoryDataModule(RecDataModule):
     """
 
     batch_type = HistoryBatch
+    # its validation loader ranks the task's sample of users (evaluation.max_users)
+    samples_validation_users = True
 
     @checks_ranges("data")
     def __init__(
@@ -236,8 +265,11 @@ class HistoryDataModule(RecDataModule):
     def eval_dataloader(self, split: str) -> DataLoader:
         dataset = self.dataset(split)
         rank, world = self.rank_and_world()
+        # the task's sample of validation users (evaluation.max_users), read as min_batch_rows is
+        module = getattr(self.trainer, "lightning_module", None) if split == "val" else None
+        sample = getattr(module, "validation_sample", None)
         return self._loader(
-            dataset, batch_size=self.eval_batch_size, sampler=_EvalShard(dataset, world, rank)
+            dataset, batch_size=self.eval_batch_size, sampler=_EvalShard(dataset, world, rank, sample)
         )
 
     # ---------------------------------------------------------------- checkpoint
