@@ -146,7 +146,7 @@ def test_a_file_the_fast_reader_refuses_is_read_by_the_validating_one(tmp_path, 
     with caplog.at_level("INFO", logger="recforge.data.sequences.preprocess"):
         out = prepare(dataset, raw, tmp_path / "out", **({"min_interactions": 0}
                                                           if dataset == "amzn-books" else {}))
-    assert "reading it again with the validating reader" in caplog.text
+    assert "read by the slower validating reader (the Arrow reader refused it: " in caplog.text
     monkeypatch.setattr(pp, "fast_readable", lambda table: False)
     slow = prepare(dataset, raw, tmp_path / "slow", **({"min_interactions": 0}
                                                         if dataset == "amzn-books" else {}))

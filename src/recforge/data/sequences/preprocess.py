@@ -276,12 +276,18 @@ def read_ratings(
     when the file is good after all, reads it (:func:`read_ratings_validating`).
     """
     catalogue = _read_catalogue(items_path, items_table, chunksize)
+    refused = None
     if fast_readable(table):
         try:
             return _read_ratings_fast(ratings_path, table, catalogue, block_bytes or _BLOCK_BYTES)
         except NotFastReadable as why:
-            log.info("%s: reading it again with the validating reader (%s)", ratings_path, why)
-    return read_ratings_validating(ratings_path, table, chunksize, catalogue)
+            refused = why
+    events = read_ratings_validating(ratings_path, table, chunksize, catalogue)
+    if refused is not None:
+        # Said only of a good file: for a bad one, the error is the one line the user sees.
+        log.info("%s: read by the slower validating reader (the Arrow reader refused it: %s)",
+                 ratings_path, refused)
+    return events
 
 
 def _read_catalogue(items_path: Path | None, items_table: Table | None,
