@@ -114,13 +114,14 @@ def _checked(values: pa.Array, col: Col) -> pa.Array:
         raise NotFastReadable(f"{col.name}: an empty field")
     if not len(values):
         return values
-    if col.kind == "int" and col.minimum is not None:
-        if pc.min(values).as_py() < col.minimum:
-            raise NotFastReadable(f"{col.name}: a value below {col.minimum}")
-    elif col.kind == "float" and col.finite:
-        if not bool(np.isfinite(values.to_numpy(zero_copy_only=False)).all()):
-            raise NotFastReadable(f"{col.name}: a value that is not finite")
-    elif col.kind == "text" and col.nonempty:
-        if pc.min(pc.binary_length(values)).as_py() == 0:
-            raise NotFastReadable(f"{col.name}: an empty value")
+    problem = None
+    if col.kind == "int" and col.minimum is not None and pc.min(values).as_py() < col.minimum:
+        problem = f"a value below {col.minimum}"
+    elif (col.kind == "float" and col.finite
+          and not np.isfinite(values.to_numpy(zero_copy_only=False)).all()):
+        problem = "a value that is not finite"
+    elif col.kind == "text" and col.nonempty and pc.min(pc.binary_length(values)).as_py() == 0:
+        problem = "an empty value"
+    if problem is not None:
+        raise NotFastReadable(f"{col.name}: {problem}")
     return values

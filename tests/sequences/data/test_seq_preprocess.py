@@ -17,7 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import recforge.data.sequences.prepared as prepared_module
-from recforge.data.sequences.prepared import MARKER_FILE, PreparedDataError, load_prepared, read_marker
+from recforge.data.sequences.prepared import (
+    MARKER_FILE,
+    PreparedDataError,
+    load_prepared,
+    read_marker,
+)
 from recforge.data.sequences.preprocess import RatingsDataError, main, prepare
 from recforge.errors import UserInputError
 

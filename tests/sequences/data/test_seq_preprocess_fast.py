@@ -19,13 +19,17 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
-import recforge.data.sequences.preprocess as pp
-import recforge.data.sequences.prepared as prepared_module
-from recforge.data.sequences.prepared import MARKER_FILE, PreparedDataError, load_prepared, read_marker
-from recforge.data.sequences.preprocess import RatingsDataError, main, prepare
-
 from sequences.data.test_seq_preprocess import files_content, naive, write
+
+import recforge.data.sequences.prepared as prepared_module
+import recforge.data.sequences.preprocess as pp
+from recforge.data.sequences.prepared import (
+    MARKER_FILE,
+    PreparedDataError,
+    load_prepared,
+    read_marker,
+)
+from recforge.data.sequences.preprocess import RatingsDataError, main, prepare
 
 # Ids that sort one way as text and another as numbers ("10" < "9"), non-ASCII ones (code point
 # order), ids pandas would read as missing by default ("NA", "null"), quoted ids holding the
@@ -154,8 +158,8 @@ def test_a_file_the_fast_reader_refuses_is_read_by_the_validating_one(tmp_path, 
 
 
 @pytest.mark.parametrize("line,expected", [
-    ("A9,B1,4.0,", "column 4 (timestamp): expected an integer timestamp (Unix seconds), got an empty "
-     "or missing field"),
+    ("A9,B1,4.0,", ("column 4 (timestamp): expected an integer timestamp (Unix seconds), got an "
+                    "empty or missing field")),
     ("A9,B1,4.0,-5", "column 4 (timestamp): expected an integer timestamp (Unix seconds) >= 0, got -5"),
     ("A9,B1,nan,5", "column 3 (rating): expected a rating (a finite number), got 'nan'"),
     ("A9,,4.0,5", "column 2 (item): expected a non-empty item id, got an empty or missing field"),
@@ -233,7 +237,7 @@ def test_a_run_killed_while_writing_leaves_nothing_taken_for_prepared_data(tmp_p
     with pytest.raises(PreparedDataError):
         load_prepared(out)
     prepare("ml-20m", raw, out)  # the next run starts over
-    assert _staging(tmp_path) == []
+    assert _staging(tmp_path) == [] and not (tmp_path / ".prepared.lock").exists()
     clean = prepare("ml-20m", raw, tmp_path / "clean")
     assert _prepared_bytes(out) == _prepared_bytes(clean)
 
