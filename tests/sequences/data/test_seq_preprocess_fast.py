@@ -290,3 +290,13 @@ def test_the_prepared_files_of_the_fast_reader_are_readable(tmp_path):
     out = prepare("amzn-books", raw, tmp_path / "out", min_interactions=0)
     table = pq.read_table(out / "histories.parquet")
     assert table.num_rows == len(load_prepared(out).users)
+
+
+def test_the_ratings_file_is_judged_before_the_movies_file(tmp_path):
+    ratings = write(tmp_path / "ratings.csv", ["userId,movieId,rating,timestamp", "1,2,3.5,4", "1,x,3.5,5"])
+    movies = write(tmp_path / "movies.csv", ["movieId,title,genres", "two,A,X"])
+    with pytest.raises(RatingsDataError, match=r"ratings\.csv, line 3, column 2 \(movieId\)"):
+        prepare("ml-20m", [ratings, movies], tmp_path / "out")
+    write(ratings, ["userId,movieId,rating,timestamp", "1,2,3.5,4", "1,3,3.5,5"])
+    with pytest.raises(RatingsDataError, match=r"movies\.csv, line 2, column 1 \(movieId\)"):
+        prepare("ml-20m", [ratings, movies], tmp_path / "out")

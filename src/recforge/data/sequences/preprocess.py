@@ -212,7 +212,8 @@ class _ArrowCodes:
         # seen order, and where each block's ids are among them; sorting them once then gives
         # every id its rank. (Byte order of UTF-8 is code point order: that of sorted() on str.)
         pooled = pc.dictionary_encode(pa.chunked_array(pools))
-        distinct = pooled.chunk(0).dictionary
+        # Codes are stable as the memo grows: the last block's dictionary holds every id.
+        distinct = pooled.chunks[-1].dictionary
         order = pc.array_sort_indices(distinct).to_numpy()
         rank = np.empty(len(order), dtype=np.int32)
         rank[order] = np.arange(len(order), dtype=np.int32)
@@ -275,14 +276,14 @@ def read_ratings(
     odd row) is read again by the validating pandas reader, which names the line at fault or,
     when the file is good after all, reads it (:func:`read_ratings_validating`).
     """
-    catalogue = _read_catalogue(items_path, items_table, chunksize)
     refused = None
     if fast_readable(table):
         try:
-            return _read_ratings_fast(ratings_path, table, catalogue, block_bytes or _BLOCK_BYTES)
+            return _read_ratings_fast(ratings_path, table, chunksize, items_path, items_table,
+                                      block_bytes or _BLOCK_BYTES)
         except NotFastReadable as why:
             refused = why
-    events = read_ratings_validating(ratings_path, table, chunksize, catalogue)
+    events = read_ratings_validating(ratings_path, table, chunksize, items_path, items_table)
     if refused is not None:
         # Said only of a good file: for a bad one, the error is the one line the user sees.
         log.info("%s: read by the slower validating reader (the Arrow reader refused it: %s)",
@@ -299,8 +300,8 @@ def _read_catalogue(items_path: Path | None, items_table: Table | None,
     return pd.Index(pd.unique(pd.concat(parts, ignore_index=True))) if parts else None
 
 
-def _read_ratings_fast(ratings_path: Path, table: Table, catalogue: pd.Index | None,
-                       block_bytes: int) -> _Events:
+def _read_ratings_fast(ratings_path: Path, table: Table, chunksize: int, items_path: Path | None,
+                       items_table: Table | None, block_bytes: int) -> _Events:
     users, items = _ArrowCodes(), _ArrowCodes()
     timestamps, ratings = [], []
     for block in iter_arrow_batches(ratings_path, table, error=RatingsDataError,
@@ -310,6 +311,7 @@ def _read_ratings_fast(ratings_path: Path, table: Table, catalogue: pd.Index | N
         timestamps.append(block["timestamp"].to_numpy())
         ratings.append(block["rating"].to_numpy().astype(np.float32))
     _check_not_empty(ratings_path, timestamps)
+    catalogue = _read_catalogue(items_path, items_table, chunksize)
     extra = None
     if catalogue is not None:
         extra = pa.array(np.asarray(catalogue), type=_label_type(table.cols, "item"))
@@ -325,7 +327,11 @@ def _read_ratings_fast(ratings_path: Path, table: Table, catalogue: pd.Index | N
 
 
 def read_ratings_validating(
-    ratings_path: Path, table: Table, chunksize: int, catalogue: pd.Index | None = None
+    ratings_path: Path,
+    table: Table,
+    chunksize: int,
+    items_path: Path | None = None,
+    items_table: Table | None = None,
 ) -> _Events:
     """:func:`read_ratings` through the pandas reader alone (the slow twin of the fast path,
     and the one that names the line of a bad value)."""
@@ -337,6 +343,7 @@ def read_ratings_validating(
         timestamps.append(chunk["timestamp"].to_numpy(dtype=np.int64))
         ratings.append(chunk["rating"].to_numpy(dtype=np.float32))
     _check_not_empty(ratings_path, timestamps)
+    catalogue = _read_catalogue(items_path, items_table, chunksize)
     user_codes, user_labels = users.finish()
     item_codes, item_labels = items.finish(catalogue)
     return _Events(
