@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {i + 1}: wall {run['wall_s']:.2f} s, CPU {run['cpu_s']:.2f} s, peak RSS "
               f"{run['peak_rss_mib']:,} MiB, load {run['load_before']} -> {run['load_after']}; "
               f"{run['result']}", flush=True)
-    summary = {key: {"min": min(r[key] for r in runs), "median": statistics.median(r[key] for r in runs)}
+    summary = {key: {"min": min(r[key] for r in runs), "median": round(statistics.median(r[key] for r in runs), 2)}
                for key in ("wall_s", "cpu_s", "peak_rss_mib")}
     print(" ".join(f"{key} min {v['min']} median {v['median']};" for key, v in summary.items()))
     print(json.dumps({"dataset": args.dataset, "raw": str(args.raw), "src": str(args.src),
