@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from recforge.data.sequences import fullsize
@@ -117,8 +118,8 @@ def test_ml20m_prepares_like_the_real_layout(ml20m, shared_data_dir, tmp_path):
     theirs = read_ratings(real, DATASETS["ml-1m"].ratings_table({}), 100_000)
     for name in ("users", "items", "timestamps", "ratings"):
         assert getattr(mine, name).dtype == getattr(theirs, name).dtype, name
-    assert mine.user_labels.dtype == theirs.user_labels.dtype == np.int64
-    assert mine.item_labels.dtype == theirs.item_labels.dtype
+    assert mine.user_labels.type == theirs.user_labels.type == pa.int64()  # Arrow arrays
+    assert mine.item_labels.type == theirs.item_labels.type
 
 
 # ---------------------------------------------------------------------------- Books
@@ -180,8 +181,8 @@ def test_books_reads_like_the_real_sample_and_filters_as_a_naive_count(books, sh
     theirs = read_ratings(real, DATASETS["amzn-books"].ratings_table({"columns": ["item", "user", "rating", "timestamp"]}), 5_000)
     for name in ("users", "items", "timestamps", "ratings"):
         assert getattr(mine, name).dtype == getattr(theirs, name).dtype, name
-    assert mine.user_labels.dtype == theirs.user_labels.dtype
-    assert mine.item_labels.dtype == theirs.item_labels.dtype
+    assert mine.user_labels.type == theirs.user_labels.type
+    assert mine.item_labels.type == theirs.item_labels.type
 
 
 # ---------------------------------------------------------------------------- both

@@ -17,7 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import recforge.data.sequences.prepared as prepared_module
-from recforge.data.sequences.prepared import MARKER_FILE, load_prepared, read_marker
+from recforge.data.sequences.prepared import (
+    MARKER_FILE,
+    PreparedDataError,
+    load_prepared,
+    read_marker,
+)
 from recforge.data.sequences.preprocess import RatingsDataError, main, prepare
 from recforge.errors import UserInputError
 
@@ -405,7 +410,7 @@ def test_crash_while_writing_leaves_no_marker_and_no_temporary(tmp_path, monkeyp
         return original(table, where, **kwargs)
 
     monkeypatch.setattr(prepared_module.pq, "write_table", crash_on_items)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(PreparedDataError, match=rf"^{out}: writing the prepared histories failed \(disk full\)"):
         prepare("ml-1m", raw, out, force=True)
     assert read_marker(out) is None
     assert sorted(p.name for p in out.iterdir()) == ["histories.parquet", "items.parquet"]

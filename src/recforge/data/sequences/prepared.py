@@ -14,6 +14,7 @@ new files; :func:`why_stale` says whether a directory can be reused.
 """
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -156,10 +157,25 @@ def write_prepared(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     with StagedDir(directory) as staged:
-        pq.write_table(table, staged.path / HISTORIES_FILE, compression="zstd")
-        pq.write_table(items, staged.path / ITEMS_FILE, compression="zstd")
-        staged.publish(marker)
+        try:
+            pq.write_table(table, staged.path / HISTORIES_FILE, compression="zstd")
+            pq.write_table(items, staged.path / ITEMS_FILE, compression="zstd")
+            staged.publish(marker)
+        except OSError as error:
+            # Raised inside the with-block: the staged files go on the way out, and the target
+            # has lost its marker (if it had one), so nothing there is taken for prepared data.
+            raise _write_error(Path(directory), error) from None
     return marker
+
+
+def _write_error(directory: Path, error: OSError) -> PreparedDataError:
+    """A failed write (a full disk, a quota, a read-only file system) as one line naming the
+    directory."""
+    text = str(error)
+    full = error.errno == errno.ENOSPC or "No space left" in text
+    what = "the disk is full" if full else (error.strerror or text or type(error).__name__)
+    return PreparedDataError(f"{directory}: writing the prepared histories failed ({what}); "
+                             "nothing there counts as prepared data")
 
 
 def _check_consistent(h: Histories) -> None:

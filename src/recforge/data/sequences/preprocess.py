@@ -11,8 +11,11 @@
   numbers them before it drops users, so a few may end with no interaction).
 
 Users and items are numbered in the sorted order of their raw ids (numeric for MovieLens),
-events of a user sorted by time with ties in file order (a stable sort). The raw file is read in
-chunks and ids are coded per chunk, so memory stays a few compact arrays per event. Command line::
+events of a user sorted by time with ties in file order (a stable sort). The ratings file is read
+block by block by Arrow's CSV reader and ids are coded per block by Arrow's hashing, so memory
+stays a few compact arrays per event and no id becomes a Python object before the distinct ones
+are written; a file that reader does not take as it is goes through the validating pandas reader
+(:mod:`recforge.data.delimited`), whose messages name the line and field at fault. Command line::
 
     python -m recforge.data.sequences.preprocess ml-1m --raw <dir or files> --out data/ml-1m
 """
@@ -29,9 +32,17 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from recforge.cli import data_command_parser, run_data_command
 from recforge.data.delimited import Col, DelimitedFileError, Table, iter_chunks
+from recforge.data.delimited_arrow import (
+    DEFAULT_BLOCK_BYTES,
+    NotFastReadable,
+    fast_readable,
+    iter_arrow_batches,
+)
 from recforge.data.prepared_dir import (
     as_paths,
     build_once,
@@ -55,6 +66,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _DEFAULT_CHUNKSIZE = 1_000_000
+_BLOCK_BYTES = DEFAULT_BLOCK_BYTES  # of the fast reader; tests make it small to cut files in many
 _AMAZON_COLUMNS = ("user", "item", "rating", "timestamp")
 
 
@@ -174,12 +186,52 @@ class _Events:
     items: np.ndarray  # int32 codes into item_labels
     timestamps: np.ndarray  # int64
     ratings: np.ndarray  # float32
-    user_labels: pd.Index
-    item_labels: pd.Index
+    user_labels: pa.Array  # the distinct raw ids, sorted (int64 for MovieLens, else string)
+    item_labels: pa.Array
+
+
+class _ArrowCodes:
+    """Ids coded per block by Arrow's hashing, made global once at the end: a distinct id is
+    hashed once per block and sorted once, and never becomes a Python object."""
+
+    def __init__(self) -> None:
+        self._codes: list[np.ndarray] = []
+        self._uniques: list[pa.Array] = []
+
+    def add(self, values: pa.Array) -> None:
+        encoded = pc.dictionary_encode(values)
+        self._codes.append(encoded.indices.to_numpy().astype(np.int32, copy=False))
+        self._uniques.append(encoded.dictionary)
+
+    def finish(self, extra: pa.Array | None = None) -> tuple[np.ndarray, pa.Array]:
+        """(codes of every value added, in order; the sorted labels, ``extra`` included)."""
+        pools = self._uniques + ([extra] if extra is not None else [])
+        if not pools:
+            return np.zeros(0, np.int32), pa.array([], pa.string())
+        # One hashing of the blocks' distinct ids gives the distinct ids of the file, in first
+        # seen order, and where each block's ids are among them; sorting them once then gives
+        # every id its rank. (Byte order of UTF-8 is code point order: that of sorted() on str.)
+        pooled = pc.dictionary_encode(pa.chunked_array(pools))
+        # Codes are stable as the memo grows: the last block's dictionary holds every id.
+        distinct = pooled.chunks[-1].dictionary
+        order = pc.array_sort_indices(distinct).to_numpy()
+        rank = np.empty(len(order), dtype=np.int32)
+        rank[order] = np.arange(len(order), dtype=np.int32)
+        global_codes = rank[np.concatenate([c.indices.to_numpy() for c in pooled.chunks])]
+        labels = distinct.take(pa.array(order))
+        del pooled, rank
+        out = np.empty(sum(len(c) for c in self._codes), dtype=np.int32)
+        start = pos = 0
+        for codes, uniques in zip(self._codes, self._uniques):
+            out[pos:pos + len(codes)] = global_codes[start:start + len(uniques)][codes]
+            start += len(uniques)
+            pos += len(codes)
+        self._codes, self._uniques = [], []
+        return out, labels
 
 
 class _ChunkCodes:
-    """Ids coded per chunk (fast, no Python object per row), made global once at the end."""
+    """The validating reader's twin of :class:`_ArrowCodes`, on pandas chunks."""
 
     def __init__(self) -> None:
         self._codes: list[np.ndarray] = []
@@ -190,11 +242,10 @@ class _ChunkCodes:
         self._codes.append(codes.astype(np.int32))
         self._uniques.append(pd.Index(uniques))
 
-    def finish(self, extra: pd.Index | None = None) -> tuple[np.ndarray, pd.Index]:
-        """(codes of every value added, in order; the sorted labels, ``extra`` included)."""
+    def finish(self, extra: pd.Index | None = None) -> tuple[np.ndarray, pa.Array]:
         pools = self._uniques + ([extra] if extra is not None else [])
         if not pools:
-            return np.zeros(0, np.int32), pd.Index([])
+            return np.zeros(0, np.int32), pa.array([], pa.string())
         pool = pools[0].append(pools[1:]) if len(pools) > 1 else pools[0]
         global_codes, labels = pd.factorize(pool, sort=True)
         out = np.empty(sum(len(c) for c in self._codes), dtype=np.int32)
@@ -205,7 +256,8 @@ class _ChunkCodes:
             start += len(uniques)
             pos += len(codes)
         self._codes, self._uniques = [], []
-        return out, pd.Index(labels)
+        kind = pa.int64() if pd.api.types.is_integer_dtype(labels.dtype) else pa.string()
+        return out, pa.array(np.asarray(labels), type=kind)
 
 
 def read_ratings(
@@ -214,9 +266,75 @@ def read_ratings(
     chunksize: int,
     items_path: Path | None = None,
     items_table: Table | None = None,
+    *,
+    block_bytes: int | None = None,
 ) -> _Events:
     """All ratings in file order, ids coded against the sorted raw ids (``items_path``'s ids
-    joining the item labels)."""
+    joining the item labels).
+
+    The ratings go through Arrow's CSV reader; a file it does not take as it is (a bad value, an
+    odd row) is read again by the validating pandas reader, which names the line at fault or,
+    when the file is good after all, reads it (:func:`read_ratings_validating`).
+    """
+    refused = None
+    if fast_readable(table):
+        try:
+            return _read_ratings_fast(ratings_path, table, chunksize, items_path, items_table,
+                                      block_bytes or _BLOCK_BYTES)
+        except NotFastReadable as why:
+            refused = why
+    events = read_ratings_validating(ratings_path, table, chunksize, items_path, items_table)
+    if refused is not None:
+        # Said only of a good file: for a bad one, the error is the one line the user sees.
+        log.info("%s: read by the slower validating reader (the Arrow reader refused it: %s)",
+                 ratings_path, refused)
+    return events
+
+
+def _read_catalogue(items_path: Path | None, items_table: Table | None,
+                    chunksize: int) -> pd.Index | None:
+    if items_path is None or items_table is None:
+        return None
+    parts = [c["item"] for c in iter_chunks(items_path, items_table, chunksize,
+                                             error=RatingsDataError)]
+    return pd.Index(pd.unique(pd.concat(parts, ignore_index=True))) if parts else None
+
+
+def _read_ratings_fast(ratings_path: Path, table: Table, chunksize: int, items_path: Path | None,
+                       items_table: Table | None, block_bytes: int) -> _Events:
+    users, items = _ArrowCodes(), _ArrowCodes()
+    timestamps, ratings = [], []
+    for block in iter_arrow_batches(ratings_path, table, error=RatingsDataError,
+                                    block_bytes=block_bytes):
+        users.add(block["user"])
+        items.add(block["item"])
+        timestamps.append(block["timestamp"].to_numpy())
+        ratings.append(block["rating"].to_numpy().astype(np.float32))
+    _check_not_empty(ratings_path, timestamps)
+    catalogue = _read_catalogue(items_path, items_table, chunksize)
+    extra = None
+    if catalogue is not None:
+        extra = pa.array(np.asarray(catalogue), type=_label_type(table.cols, "item"))
+    user_codes, user_labels = users.finish()
+    item_codes, item_labels = items.finish(extra)
+    events = _Events(user_codes, item_codes, np.concatenate(timestamps), np.concatenate(ratings),
+                     user_labels, item_labels)
+    del timestamps, ratings
+    # Arrow's allocator keeps the blocks' freed pages; the sort that follows allocates through
+    # numpy, which cannot reuse them, so unreleased they would add to the peak.
+    pa.default_memory_pool().release_unused()
+    return events
+
+
+def read_ratings_validating(
+    ratings_path: Path,
+    table: Table,
+    chunksize: int,
+    items_path: Path | None = None,
+    items_table: Table | None = None,
+) -> _Events:
+    """:func:`read_ratings` through the pandas reader alone (the slow twin of the fast path,
+    and the one that names the line of a bad value)."""
     users, items = _ChunkCodes(), _ChunkCodes()
     timestamps, ratings = [], []
     for chunk in iter_chunks(ratings_path, table, chunksize, error=RatingsDataError):
@@ -224,20 +342,25 @@ def read_ratings(
         items.add(chunk["item"])
         timestamps.append(chunk["timestamp"].to_numpy(dtype=np.int64))
         ratings.append(chunk["rating"].to_numpy(dtype=np.float32))
-    if sum(len(t) for t in timestamps) == 0:
-        raise RatingsDataError(f"{ratings_path}: no data rows (expected at least one rating)",
-                               path=ratings_path)
-    catalogue = None
-    if items_path is not None and items_table is not None:
-        parts = [c["item"] for c in iter_chunks(items_path, items_table, chunksize,
-                                                 error=RatingsDataError)]
-        catalogue = pd.Index(pd.unique(pd.concat(parts, ignore_index=True))) if parts else None
+    _check_not_empty(ratings_path, timestamps)
+    catalogue = _read_catalogue(items_path, items_table, chunksize)
     user_codes, user_labels = users.finish()
     item_codes, item_labels = items.finish(catalogue)
     return _Events(
         user_codes, item_codes, np.concatenate(timestamps), np.concatenate(ratings),
         user_labels, item_labels,
     )
+
+
+def _check_not_empty(ratings_path: Path, timestamps: list[np.ndarray]) -> None:
+    if sum(len(t) for t in timestamps) == 0:
+        raise RatingsDataError(f"{ratings_path}: no data rows (expected at least one rating)",
+                               path=ratings_path)
+
+
+def _label_type(cols: tuple[Col, ...], key: str) -> pa.DataType:
+    kind = next(c.kind for c in cols if c.key == key)
+    return pa.int64() if kind == "int" else pa.string()
 
 
 def build_histories(events: _Events, min_interactions: int = 0) -> tuple[Histories, dict[str, int]]:
@@ -275,19 +398,21 @@ def build_histories(events: _Events, min_interactions: int = 0) -> tuple[Histori
     offsets = np.zeros(n_users + 1, dtype=np.int64)
     np.cumsum(np.bincount(users, minlength=n_users), out=offsets[1:])
     histories = Histories(
-        users=_as_strings(events.user_labels[keep_users]),
+        users=_as_strings(events.user_labels, keep_users),
         offsets=offsets,
         items=items,
         timestamps=timestamps.astype(np.int64, copy=False),
         ratings=ratings.astype(np.float32, copy=False),
-        item_ids=_as_strings(events.item_labels[keep_items]),
+        item_ids=_as_strings(events.item_labels, keep_items),
         item_counts=np.bincount(items, minlength=n_items).astype(np.int64),
     )
     return histories, dropped
 
 
-def _as_strings(labels: pd.Index) -> np.ndarray:
-    return np.asarray(labels.astype(str), dtype=object)
+def _as_strings(labels: pa.Array, keep: np.ndarray) -> np.ndarray:
+    """The kept labels as text (the prepared format's ids), one Python string per kept id."""
+    kept = labels.filter(pa.array(keep, type=pa.bool_())).cast(pa.string())
+    return np.asarray(kept.to_numpy(zero_copy_only=False), dtype=object)
 
 
 # ---------------------------------------------------------------------------- prepare
