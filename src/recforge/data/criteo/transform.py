@@ -219,17 +219,22 @@ class VocabEncoder:
 
     def encode(self, sparse: np.ndarray) -> np.ndarray:
         """[n, 26] values (-1 = missing) -> [n, 26] int32 indices (column-major)."""
-        out = np.empty(sparse.shape, dtype=np.int32, order="F")
+        # -1 wraps; those rows are set to MISSING by the mask
+        return self.encode_values(sparse.astype(np.uint32), sparse < 0)
+
+    def encode_values(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        """[n, 26] uint32 values and [n, 26] bool ``missing`` (the value there is ignored) ->
+        [n, 26] int32 indices (column-major): :meth:`encode` of values kept in 4 bytes each."""
+        out = np.empty(values.shape, dtype=np.int32, order="F")
         for j, keys in enumerate(self.kept):
-            col = sparse[:, j]
-            values = col.astype(np.uint32)  # -1 wraps; those rows are set to MISSING below
+            col = values[:, j]
             if len(keys):
-                pos = np.minimum(_search(keys, values), len(keys) - 1)
-                found = keys[pos] == values
+                pos = np.minimum(_search(keys, col), len(keys) - 1)
+                found = keys[pos] == col
                 index = np.where(found, pos + FIRST_VALUE_INDEX, OOV_INDEX)
             else:
                 index = np.full(len(col), OOV_INDEX)
-            out[:, j] = np.where(col < 0, MISSING_INDEX, index)
+            out[:, j] = np.where(missing[:, j], MISSING_INDEX, index)
         return out
 
     def record_used(self, indices: np.ndarray) -> None:
