@@ -25,7 +25,11 @@ import pytest
 from recforge.data.criteo import spill as spill_module
 from recforge.data.criteo.fullsize import GENERATORS
 from recforge.data.criteo.prepare import main, prepare_criteo
-from recforge.data.criteo.prepared import SPARSE_COLUMNS, PreparedDataError, read_metadata
+from recforge.data.criteo.prepared import (
+    SPARSE_COLUMNS,
+    PreparedDataError,
+    read_metadata,
+)
 from recforge.data.criteo.raw import TSV, explain
 from recforge.data.criteo.splits import kaggle7_part_sizes
 from recforge.data.criteo.transform import VocabEncoder

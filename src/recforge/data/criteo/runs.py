@@ -17,7 +17,7 @@ from recforge.data.criteo.raw import Layout, ParsedRun, parse_run
 from recforge.data.criteo.splits import TRAIN, SplitPlan
 from recforge.data.criteo.transform import HashEncoder, VocabEncoder, count_chunk, dense_log1p
 
-__all__ = ["convert_run", "count_run", "count_and_transform_run", "share"]
+__all__ = ["convert_run", "count_and_transform_run", "count_run", "share"]
 
 _SHARED: dict[str, Any] = {}
 
