@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--dir", help="where to write (default: a new temporary directory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--malloc-mmap-threshold", type=int)
+    parser.add_argument("--no-spill", action="store_true",
+                        help="vocab: convert with --no-spill (parse the text twice, no temporary file)")
     parser.add_argument("--keep", action="store_true", help="keep the generated files")
     parser.add_argument("--reuse", action="store_true", help="use DIR/<fraction>/train.txt if it is there")
     args = parser.parse_args()
@@ -128,6 +130,8 @@ def main() -> None:
                                "--workers", str(workers)]
                     if args.categorical == "hash":
                         command += ["--max-ind-range", str(args.max_ind_range)]
+                    if args.no_spill:
+                        command += ["--no-spill"]
                     status, rss, wall, cpu, output = run_child(command, env)
                     if status:
                         print(f"fraction {fraction:g} chunk_rows={chunk_rows} workers={workers}: failed (exit {status})")
@@ -139,7 +143,7 @@ def main() -> None:
                     rows = meta["conversion"]["rows_read"]
                     vocab = meta["categorical"].get("vocab_sizes")
                     result = {"fraction": fraction, "rows": rows, "file_bytes": size, "chunk_rows": chunk_rows,
-                              "workers": workers, "categorical": args.categorical,
+                              "workers": workers, "categorical": args.categorical, "spill": not args.no_spill,
                               "peak_rss_mib": round(rss, 1), "workers_peak_rss_mib": round(pool["workers_maxrss_kib"] / 1024, 1),
                               "peak_above_baseline_mib": round(peak - base_rss, 1), "elapsed_s": elapsed,
                               "rows_per_s": round(rows / elapsed), "child_wall_s": round(wall, 1),

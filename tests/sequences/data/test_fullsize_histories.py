@@ -282,3 +282,16 @@ def test_cli_refusals_are_one_line(args, message, tmp_path):
     assert re.search(message, str(info.value)) and "\n" not in str(info.value)
     assert str(info.value).startswith("recforge: ")
     assert not (REPO / "data" / "fullsize-refused").exists()
+
+
+@pytest.mark.parametrize("dataset,fraction", [
+    ("ml-20m", 0.002), ("amzn-books", 0.0002), ("criteo-kaggle", 0.0001), ("criteo-day", 0.00002),
+])
+def test_cli_last_line_names_the_directory_and_rows_of_every_dataset(dataset, fraction, tmp_path, capsys):
+    # benchmarks/scale.py reads "rows" from this line and the printed summary reads "out"
+    out = tmp_path / dataset
+    assert cli().main([dataset, "--out", str(out), "--fraction", str(fraction)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["out"] == str(out.resolve()) and lines[0].startswith(f"{out.resolve()}: ")
+    assert summary["rows"] > 0 and summary["dataset"] == dataset

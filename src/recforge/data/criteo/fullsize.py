@@ -289,6 +289,7 @@ def _generate(name: str, file_name: str, full_rows: int, full_tables: Sequence[i
     written = write_raw_criteo(path, spec)
     return {
         "dataset": name,
+        "out": str(out_dir),
         "fraction": float(fraction),
         "seed": int(seed),
         "files": {file_name: path.stat().st_size},

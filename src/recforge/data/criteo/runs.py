@@ -17,7 +17,7 @@ from recforge.data.criteo.raw import Layout, ParsedRun, parse_run
 from recforge.data.criteo.splits import TRAIN, SplitPlan
 from recforge.data.criteo.transform import HashEncoder, VocabEncoder, count_chunk, dense_log1p
 
-__all__ = ["convert_run", "count_run", "share"]
+__all__ = ["convert_run", "count_and_transform_run", "count_run", "share"]
 
 _SHARED: dict[str, Any] = {}
 
@@ -50,3 +50,18 @@ def convert_run(buf: np.ndarray, path: Path, layout: Layout, source: int, data_i
     chunk.dense = dense_log1p(chunk.dense)
     chunk.sparse = _SHARED["encoder"].encode(chunk.sparse)
     return source, run, _SHARED["plan"].assign(source, chunk.rows)
+
+
+def count_and_transform_run(buf: np.ndarray, path: Path, layout: Layout, source: int, data_index: int,
+                            keep: int) -> tuple[int, ParsedRun, list[tuple[np.ndarray, np.ndarray]], int, np.ndarray]:
+    """Vocabulary pass of a conversion that keeps the parsed rows (:mod:`.spill`): ``(source, the
+    run with its dense values transformed and its categorical values as read, the per-feature
+    value counts of its training rows, how many training rows, the split code of each row)``."""
+    run = parse_run(buf, path, layout, data_index, keep)
+    chunk = run.chunk
+    codes = _SHARED["plan"].assign(source, chunk.rows)
+    train = codes == TRAIN
+    sparse = chunk.sparse if train.all() else chunk.sparse[train]
+    counted = count_chunk(sparse)
+    chunk.dense = dense_log1p(chunk.dense)
+    return source, run, counted, len(sparse), codes

@@ -54,7 +54,9 @@ _MAX_ROWS = 2**31 - 1
 # Pending per-chunk counts are merged into the totals once they outnumber them (or this many),
 # so merging costs O(log) per distinct value seen, not O(vocabulary) per chunk.
 _MERGE_MIN = 1 << 20
-_SORTED_LOOKUP_MIN = 1 << 17
+# From about this many kept values, sorting a column's values first pays for itself (measured:
+# 100k values into 1,000 keys 2.4 ms sorted against 5.4 ms not; into 30 keys 3.5 against 2.5).
+_SORTED_LOOKUP_MIN = 1 << 10
 
 HASH_LAYOUT = (
     "0 = missing; 1 + (value mod max_ind_range) = a present value "
@@ -219,17 +221,22 @@ class VocabEncoder:
 
     def encode(self, sparse: np.ndarray) -> np.ndarray:
         """[n, 26] values (-1 = missing) -> [n, 26] int32 indices (column-major)."""
-        out = np.empty(sparse.shape, dtype=np.int32, order="F")
+        # -1 wraps; those rows are set to MISSING by the mask
+        return self.encode_values(sparse.astype(np.uint32), sparse < 0)
+
+    def encode_values(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        """[n, 26] uint32 values and [n, 26] bool ``missing`` (the value there is ignored) ->
+        [n, 26] int32 indices (column-major): :meth:`encode` of values kept in 4 bytes each."""
+        out = np.empty(values.shape, dtype=np.int32, order="F")
         for j, keys in enumerate(self.kept):
-            col = sparse[:, j]
-            values = col.astype(np.uint32)  # -1 wraps; those rows are set to MISSING below
+            col = values[:, j]
             if len(keys):
-                pos = np.minimum(_search(keys, values), len(keys) - 1)
-                found = keys[pos] == values
+                pos = np.minimum(_search(keys, col), len(keys) - 1)
+                found = keys[pos] == col
                 index = np.where(found, pos + FIRST_VALUE_INDEX, OOV_INDEX)
             else:
                 index = np.full(len(col), OOV_INDEX)
-            out[:, j] = np.where(col < 0, MISSING_INDEX, index)
+            out[:, j] = np.where(missing[:, j], MISSING_INDEX, index)
         return out
 
     def record_used(self, indices: np.ndarray) -> None:
@@ -251,9 +258,9 @@ class VocabEncoder:
 
 
 def _search(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``np.searchsorted(keys, values)``. In a large vocabulary each lookup of unsorted values is a
-    chain of cache misses; sorted values reuse the previous answer as a starting bound (numpy's
-    binary search does), which with the sort is several times faster there."""
+    """``np.searchsorted(keys, values)``. Each lookup of unsorted values is a chain of cache misses
+    and mispredicted branches; sorted values reuse the previous answer as a starting bound (numpy's
+    binary search does), which with the sort is 2-6x faster from about a thousand keys up."""
     if len(keys) < _SORTED_LOOKUP_MIN:
         return np.searchsorted(keys, values)
     order = np.argsort(values)
