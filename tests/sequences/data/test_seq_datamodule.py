@@ -1,6 +1,7 @@
 """HistoryDataModule: protocols, truncation, exclusion, jagged batches, shuffling, DDP and worker
-shares and a mid-epoch resume (also at ml-20m's user count), config files. Expected rows are worked out by hand from the tiny histories below, or checked
-against plain Python slicing of each user's list."""
+shares and a mid-epoch resume (also at ml-20m's user count), config files. Expected rows are
+worked out by hand from the tiny histories below, or checked against plain Python slicing of each
+user's list."""
 from __future__ import annotations
 
 from pathlib import Path
