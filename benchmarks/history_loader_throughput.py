@@ -19,7 +19,8 @@ already there). ``--max-seq-len`` defaults to the dataset's preset (200 for ml-2
 
 Training: ``--train EXPERIMENT[,EXPERIMENT]`` runs ``benchmarks/train_throughput.py --level
 lightning --no-eval`` of each preset on the same prepared directory (``--train-threads``, default
-2), or ``--train-rate EXP=SEQ_PER_S`` takes a rate measured before; the ratio loader / training is printed (the issue asks >= 10x).
+2), or ``--train-rate EXP=SEQ_PER_S`` takes a rate measured before; the ratio loader / training
+is printed (the issue asks >= 10x).
 
     python benchmarks/history_loader_throughput.py --generate ml-20m --fraction 1 \\
         --work-dir /big/disk/hist --train hstu_ml-20m
