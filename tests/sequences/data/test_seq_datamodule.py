@@ -413,6 +413,31 @@ def test_workers_give_the_same_batches(prepared):
     assert a == b and len(a) == 2
 
 
+def test_a_worker_hands_batches_over_as_bytes_not_shared_memory(prepared):
+    """What a worker process sends (torch's multiprocessing pickler) comes back equal, as tensors
+    over the unpickled bytes rather than one new shared-memory segment per tensor; a tensor that
+    cannot be a numpy array (one in autograd) still travels as torch pickles it."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions, as a worker has them
+
+    dm = HistoryDataModule(prepared_dir=prepared)
+    for split in ("train", "test"):
+        batch = batch_of(dm, split)
+        back = pickle.loads(ForkingPickler.dumps(batch))
+        assert type(back) is HistoryBatch and rows_of(back) == rows_of(batch)
+        for name in ("items", "timestamps", "offsets", "targets", "target_timestamps", "users",
+                     "exclude_items", "exclude_offsets"):
+            value = getattr(back, name)
+            assert (value is None) == (getattr(batch, name) is None) == (split == "train" and "exclude" in name)
+            assert value is None or (value.dtype == torch.int64 and not value.is_shared()), name
+    odd = batch_of(dm, "test")
+    odd.targets = odd.targets.double().requires_grad_()
+    back = pickle.loads(ForkingPickler.dumps(odd))
+    assert back.targets.requires_grad and torch.equal(back.targets, odd.targets) and back.targets.is_shared()
+
+
 def test_lightning_fit_and_test_with_history_batches(tmp_path):
     import lightning as L
 
