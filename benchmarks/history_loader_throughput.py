@@ -10,7 +10,9 @@ that load from other jobs hits them alike. Threads are fixed (``--threads``: tor
 Per window: wall sequences/s and batches/s, and CPU seconds per 1,000 sequences (this process plus
 its worker processes, read from ``/proc``: the cost the loader takes from the cores training needs).
 The module's construction and ``setup`` (reading the parquet files, cutting the splits) are timed
-once: they touch every user.
+once: they touch every user. ``--shm-handoff`` adds, per workers count > 0, a row with torch's
+own pickling of the batch (a shared-memory segment per tensor; ``HistoryBatch`` pickles its
+tensors as numpy arrays, this row shows what that saves).
 
 Data: ``--prepared-dir`` (a directory prepared by ``python -m recforge.data.sequences.preprocess``),
 or ``--generate ml-20m|amzn-books --fraction F --work-dir DIR``: ``benchmarks/fullsize_data.py``
@@ -60,6 +62,9 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--protocol", default=None, choices=("loo", "reference"), help="default: loo, the presets'")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", default="0,2", help="DataLoader worker counts, comma-separated")
+    p.add_argument("--shm-handoff", action="store_true",
+                   help="also time each workers count > 0 with torch's own pickling of the batch "
+                   "(a shared-memory segment per tensor: before HistoryBatch pickled as numpy)")
     p.add_argument("--world", type=int, default=1, help="ranks: time rank --rank's share of them")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -186,6 +191,7 @@ def main(argv=None) -> int:
     import torch
     from timing import cpu_model, load_average
 
+    from recforge.data.batches import HistoryBatch
     from recforge.data.sequences.datamodule import HistoryDataModule
     from recforge.data.sequences.prepared import read_marker
 
@@ -207,6 +213,9 @@ def main(argv=None) -> int:
         return dm
 
     workers = _ints(args.workers)
+    # a row per workers count (its label), and per count > 0 one with torch's pickling if asked
+    rows = [(str(w), w, False) for w in workers] + \
+        [(f"{w} shm", w, True) for w in workers if w > 0 and args.shm_handoff]
     wall, cpu = time.perf_counter(), time.process_time()
     first = module(workers[0])
     first.setup("fit")
@@ -218,16 +227,22 @@ def main(argv=None) -> int:
           f"max_seq_len {max_seq_len}, batch {args.batch_size}, rank {args.rank} of {args.world}")
     print(f"# module + setup (read parquet, cut splits): {setup['wall_s']:.2f} s wall, {setup['cpu_s']:.2f} s CPU")
 
-    modules = {w: first if i == 0 else module(w) for i, w in enumerate(workers)}
+    modules = {label: first if i == 0 else module(w) for i, (label, w, _) in enumerate(rows)}
     for dm in modules.values():
         dm.setup("fit")
-    loaders = {w: dm.train_dataloader() for w, dm in modules.items()}
-    for loader in loaders.values():  # untimed: worker start, first gathers
+    loaders = {label: dm.train_dataloader() for label, dm in modules.items()}
+    own_pickling = HistoryBatch.__reduce__
+    for (label, _, shm), loader in zip(rows, loaders.values()):  # untimed: worker start, first gathers
+        # the persistent workers fork here and keep the class as it is now: torch's tensor
+        # pickling (object's own reduction) for the shm rows
+        HistoryBatch.__reduce__ = object.__reduce__ if shm else own_pickling
         next(iter(loader))
+    HistoryBatch.__reduce__ = own_pickling
 
-    seqs = {w: [] for w in workers}
-    batches = {w: [] for w in workers}
-    cpu_per_k = {w: [] for w in workers}
+    labels = [label for label, _, _ in rows]
+    seqs = {w: [] for w in labels}
+    batches = {w: [] for w in labels}
+    cpu_per_k = {w: [] for w in labels}
     clock = CpuClock()
     for repeat in range(args.repeats):
         for w, loader in loaders.items():
@@ -256,12 +271,12 @@ def main(argv=None) -> int:
     load_end = load_average()
 
     window = "whole epochs" if args.max_seqs is None else f"the first {args.max_seqs:,} sequences of each epoch"
-    print(f"\nhistory loader into HistoryBatch ({len(loaders[workers[0]].sampler):,} sequences per epoch "
+    print(f"\nhistory loader into HistoryBatch ({len(loaders[labels[0]].sampler):,} sequences per epoch "
           f"on this rank, {window}, {args.repeats} windows, threads {args.threads})")
     head = f"{'workers':>7}  {'seq/s min':>10}  {'seq/s median':>12}  {'batches/s median':>16}  " \
            f"{'CPU s/1k seq min':>16}  {'median':>7}"
     print(head)
-    for w in workers:
+    for w in labels:
         print(f"{w:>7}  {min(seqs[w]):10,.0f}  {statistics.median(seqs[w]):12,.0f}  "
               f"{statistics.median(batches[w]):16,.1f}  {min(cpu_per_k[w]):16.4f}  "
               f"{statistics.median(cpu_per_k[w]):7.4f}")
@@ -269,7 +284,7 @@ def main(argv=None) -> int:
         train = rate["seq_per_s"]["median"]
         print(f"\ntraining {experiment} ({rate['measured']}): {train:,.1f} seq/s median "
               f"(min {rate['seq_per_s']['min']:,.1f})")
-        for w in workers:
+        for w in labels:
             print(f"  loader workers {w} / training: {min(seqs[w]) / train:,.0f}x (loader min), "
                   f"{statistics.median(seqs[w]) / train:,.0f}x (median); CPU: the loader takes "
                   f"{statistics.median(cpu_per_k[w]) * train / 1000:.2%} of a core at the training rate")
@@ -280,8 +295,8 @@ def main(argv=None) -> int:
         "events": first.histories.n_events, "train_rows": train_rows, "max_seq_len": max_seq_len,
         "batch_size": args.batch_size, "protocol": args.protocol or "loo", "world": args.world, "rank": args.rank,
         "threads": args.threads, "max_seqs": args.max_seqs, "setup": setup,
-        "loader": {str(w): {"seq_per_s": seqs[w], "batches_per_s": batches[w], "cpu_s_per_1k_seq": cpu_per_k[w]}
-                   for w in workers},
+        "loader": {w: {"seq_per_s": seqs[w], "batches_per_s": batches[w], "cpu_s_per_1k_seq": cpu_per_k[w]}
+                   for w in labels},
         "training": rates, "load_average": {"start": load_start, "end": load_end}, "cpu": cpu_model(),
         "numpy": np.__version__, "torch": torch.__version__, "pyarrow": pa.__version__,
     }, separators=(",", ":")))
