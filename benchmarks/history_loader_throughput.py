@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,18 +107,26 @@ def _run(command: list[str], what: str) -> str:
 
 
 def generated(dataset: str, fraction: float, seed: int, work_dir: str) -> Path:
-    """The prepared directory of ``dataset`` at ``fraction``, generated and prepared when missing."""
+    """The prepared directory of ``dataset`` at ``fraction``, generated and prepared when missing.
+
+    The raw files are reused only under the summary written after the generator finished (a run
+    killed halfway leaves none, and the next one starts over); fresh raw files are prepared
+    afresh."""
     base = Path(work_dir).expanduser().resolve() / f"{dataset}-f{fraction:g}-s{seed}"
-    raw, prepared = base / "raw", base / "prepared"
-    marker = {"ml-20m": "ratings.csv", "amzn-books": "ratings_Books.csv"}[dataset]
-    if not (raw / marker).is_file():
+    raw, prepared, summary = base / "raw", base / "prepared", base / "generated.json"
+    if not summary.is_file():
+        for stale in (raw, prepared):
+            shutil.rmtree(stale, ignore_errors=True)
         started = time.perf_counter()
-        _run([sys.executable, str(REPO / "benchmarks" / "fullsize_data.py"), dataset, "--out", str(raw),
-              "--fraction", str(fraction), "--seed", str(seed)], "generation")
+        out = _run([sys.executable, str(REPO / "benchmarks" / "fullsize_data.py"), dataset, "--out", str(raw),
+                    "--fraction", str(fraction), "--seed", str(seed)], "generation")
         print(f"# generated {dataset} fraction {fraction:g} in {time.perf_counter() - started:.0f} s -> {raw}")
+        tmp = summary.with_suffix(".tmp")
+        tmp.write_text(out.strip().splitlines()[-1])  # the generator's JSON line
+        tmp.replace(summary)
     if not (prepared / "done.json").is_file():
         started = time.perf_counter()
-        source = raw if dataset == "ml-20m" else raw / marker
+        source = raw if dataset == "ml-20m" else raw / "ratings_Books.csv"
         _run([sys.executable, "-m", "recforge.data.sequences.preprocess", dataset, "--raw", str(source),
               "--out", str(prepared)], "preprocessing")
         print(f"# prepared in {time.perf_counter() - started:.0f} s -> {prepared}")
