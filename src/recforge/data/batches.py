@@ -141,9 +141,9 @@ class HistoryBatch:
         # A DataLoader worker hands its batches to the training process by pickling them, and
         # torch pickles each CPU tensor by moving its storage into a new shared-memory segment
         # (created, its descriptor sent over a socket, mapped, unlinked): for the 6-8 small
-        # tensors of a batch that cost the training process 1-2 ms a batch at ml-20m's size, more
-        # than building the batch in it (0.5 ms). As numpy arrays they travel as bytes in the
-        # pipe (0.3-0.4 ms) and come back as tensors over the unpickled memory
+        # tensors of a batch that cost the training process 1-2 ms of CPU a batch at ml-20m's
+        # size, more than building the batch in it (0.2-0.4 ms). As numpy arrays they travel as
+        # bytes in the pipe (0.3-0.4 ms) and come back as tensors over the unpickled memory
         # (benchmarks/README.md, history_loader_throughput.py).
         return _history_batch, tuple(_as_array(getattr(self, f.name)) for f in fields(self))
 

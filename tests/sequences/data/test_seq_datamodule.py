@@ -369,8 +369,7 @@ def test_a_mid_epoch_resume_gives_the_rest_of_the_uninterrupted_epoch_at_full_us
             dm.fit_progress = lambda: progress[0]  # the fit's loop, as Lightning counts it
             return dm.train_dataloader()
 
-        whole, after = loader([(epoch, 0)]), loader([(epoch + 1, 0)])
-        whole, after = list(whole), list(after)
+        whole, after = list(loader([(epoch, 0)])), list(loader([(epoch + 1, 0)]))
         share = -(-len(rank_module(many_users, 0, 1).dataset("train")) // world)
         assert sum(b.size for b in whole) == share and len(whole) == -(-share // 1000) > k
         progress = [(epoch, 0)]
