@@ -1,9 +1,11 @@
-"""HistoryDataModule: protocols, truncation, exclusion, jagged batches, shuffling, DDP shares,
-config files. Expected rows are worked out by hand from the tiny histories below, or checked
-against plain Python slicing of each user's list."""
+"""HistoryDataModule: protocols, truncation, exclusion, jagged batches, shuffling, DDP and worker
+shares and a mid-epoch resume (also at ml-20m's user count), config files. Expected rows are
+worked out by hand from the tiny histories below, or checked against plain Python slicing of each
+user's list."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -279,6 +281,115 @@ def test_distributed_sampler_gives_each_user_once_per_epoch(tmp_path):
     assert orders[0] != orders[1]
 
 
+# ---------------------------------------------------------------- at ml-20m's user count
+# 150,000 users (ml-20m has 138,493) of 2-5 events each: the loader's shares and its resume at a
+# real user count, with histories tiny enough to build in well under a second.
+FULL_USERS = 150_000
+
+
+@pytest.fixture(scope="module")
+def many_users(tmp_path_factory) -> str:
+    rng = np.random.default_rng(17)
+    lengths = rng.integers(2, 6, FULL_USERS)
+    offsets = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+    n_items = 1000
+    items = rng.integers(0, n_items, offsets[-1]).astype(np.int32)
+    histories = Histories(
+        users=np.array([f"u{u}" for u in range(FULL_USERS)], dtype=object), offsets=offsets, items=items,
+        timestamps=np.arange(offsets[-1], dtype=np.int64),  # rising overall, so within each user
+        ratings=np.ones(offsets[-1], np.float32),
+        item_ids=np.array([f"m{j}" for j in range(n_items)], dtype=object),
+        item_counts=np.bincount(items, minlength=n_items).astype(np.int64),
+    )
+    path = tmp_path_factory.mktemp("many") / "prepared"
+    write_prepared(path, histories, dataset="test", inputs=[], params={})
+    return str(path)
+
+
+def rank_module(path: str, rank: int, world: int, **kwargs) -> HistoryDataModule:
+    dm = HistoryDataModule(prepared_dir=path, **kwargs)
+    dm.trainer = SimpleNamespace(global_rank=rank, world_size=world)  # what DDP's trainer says
+    return dm
+
+
+def at_progress(dm: HistoryDataModule, epoch: int, batches: int) -> HistoryDataModule:
+    """``dm`` as a fit at (epoch, batches trained in it) sees it: what Lightning's loop counts and
+    a restored checkpoint restores."""
+    dm.fit_progress = lambda: (epoch, batches)
+    return dm
+
+
+def same_batches(a: list[HistoryBatch], b: list[HistoryBatch]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(getattr(x, name), getattr(y, name)) for x, y in zip(a, b)
+        for name in ("items", "timestamps", "offsets", "targets", "target_timestamps", "users"))
+
+
+def test_ranks_and_workers_share_every_training_user_at_full_user_count(many_users):
+    """World 2 x 2 workers over 150,000 users: each rank's loader (the module's own sampler, its
+    rank from the trainer) gives its share in batches built by 2 worker processes, the same
+    batches as without workers; the shares are disjoint and cover every training user once,
+    apart from the rows DistributedSampler repeats so that both ranks take as many steps (fewer
+    than the world); the next epoch reorders them."""
+    dm = rank_module(many_users, 0, 1)
+    train_users = dm.dataset("train").rows.users
+    assert 70_000 < len(train_users) < 80_000  # loo keeps the users of 4-5 events, about 2 in 5
+    lengths = dm.histories.lengths
+    assert np.all(lengths[train_users] >= 4) and np.count_nonzero(lengths >= 4) == len(train_users)
+    world, firsts = 2, []
+    for epoch in (0, 1):
+        shares = []
+        for rank in range(world):
+            plain = list(at_progress(rank_module(many_users, rank, world, batch_size=1000), epoch, 0)
+                         .train_dataloader())
+            workers = list(at_progress(rank_module(many_users, rank, world, batch_size=1000, num_workers=2),
+                                       epoch, 0).train_dataloader())
+            assert same_batches(plain, workers)
+            shares.append(np.concatenate([b.users.numpy() for b in workers]))
+        assert len(shares[0]) == len(shares[1]) == -(-len(train_users) // world)
+        every = np.concatenate(shares)
+        assert np.array_equal(np.unique(every), train_users)
+        repeated = len(every) - len(train_users)
+        assert repeated == (-len(train_users)) % world  # the padding, nothing more
+        overlap = np.intersect1d(shares[0], shares[1])
+        assert len(overlap) <= repeated
+        firsts.append(shares[0][:1000])
+    assert not np.array_equal(firsts[0], firsts[1])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mid_epoch_resume_gives_the_rest_of_the_uninterrupted_epoch_at_full_user_count(many_users, workers):
+    """On each of 2 ranks: a run stopped after k batches of epoch 1 saves the loader's state; a
+    fresh module (a resumed process) loading it yields exactly the batches the uninterrupted epoch
+    had after the k-th, and the pass after it the whole of the next epoch."""
+    world, epoch = 2, 1
+    for rank, k in ((0, 7), (1, 30)):
+        def loader(progress: list):
+            dm = rank_module(many_users, rank, world, batch_size=1000, num_workers=workers)
+            dm.fit_progress = lambda: progress[0]  # the fit's loop, as Lightning counts it
+            return dm.train_dataloader()
+
+        whole, after = list(loader([(epoch, 0)])), list(loader([(epoch + 1, 0)]))
+        share = -(-len(rank_module(many_users, 0, 1).dataset("train")) // world)
+        assert sum(b.size for b in whole) == share and len(whole) == -(-share // 1000) > k
+        progress = [(epoch, 0)]
+        stopped, seen = loader(progress), []
+        for batch in stopped:  # the fit stops after k batches: the checkpoint holds the loader's state
+            seen.append(batch)
+            progress[0] = (epoch, len(seen))
+            if len(seen) == k:
+                break
+        state = stopped.state_dict()
+        assert state == {"epoch": epoch, "batches": k}
+        progress = [(epoch, k)]  # what the restored checkpoint tells the fresh process's loop
+        resumed = loader(progress)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        assert same_batches(seen + rest, whole) and same_batches(rest, whole[k:])
+        progress[0] = (epoch + 1, 0)  # the next epoch is whole again
+        assert same_batches(list(resumed), after)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_evaluation_shards_split_users_without_repeats(tmp_path, world):
     path = write_dir(tmp_path / "p", {f"u{i}": [1, 2, 3, 4, 5] for i in range(11)}, 20)
@@ -299,6 +410,31 @@ def test_workers_give_the_same_batches(prepared):
     a = [rows_of(b) for b in plain.test_dataloader()]
     b = [rows_of(b) for b in workers.test_dataloader()]
     assert a == b and len(a) == 2
+
+
+def test_a_worker_hands_batches_over_as_bytes_not_shared_memory(prepared):
+    """What a worker process sends (torch's multiprocessing pickler) comes back equal, as tensors
+    over the unpickled bytes rather than one new shared-memory segment per tensor; a tensor that
+    cannot be a numpy array (one in autograd) still travels as torch pickles it."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions, as a worker has them
+
+    dm = HistoryDataModule(prepared_dir=prepared)
+    for split in ("train", "test"):
+        batch = batch_of(dm, split)
+        back = pickle.loads(ForkingPickler.dumps(batch))
+        assert type(back) is HistoryBatch and rows_of(back) == rows_of(batch)
+        for name in ("items", "timestamps", "offsets", "targets", "target_timestamps", "users",
+                     "exclude_items", "exclude_offsets"):
+            value = getattr(back, name)
+            assert (value is None) == (getattr(batch, name) is None) == (split == "train" and "exclude" in name)
+            assert value is None or (value.dtype == torch.int64 and not value.is_shared()), name
+    odd = batch_of(dm, "test")
+    odd.targets = odd.targets.double().requires_grad_()
+    back = pickle.loads(ForkingPickler.dumps(odd))
+    assert back.targets.requires_grad and torch.equal(back.targets, odd.targets) and back.targets.is_shared()
 
 
 def test_lightning_fit_and_test_with_history_batches(tmp_path):
