@@ -50,6 +50,21 @@ def test_a_child_process_tree_is_timed_and_its_peak_memory_seen(scale, tmp_path)
     assert measured.seconds >= 0.5
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory sampler reads /proc (Linux)")
+def test_pages_a_forked_worker_shares_with_its_parent_count_once(scale, tmp_path):
+    # the parent touches 300 MiB, then forks two workers that only sleep: each worker's resident set
+    # holds the 300 MiB too (mapped, shared), so a sum of resident sets would read ~900 MiB
+    hold = ("import os, time\n"
+            "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096])\n"
+            "pids = [os.fork() or (time.sleep(1.0), os._exit(0)) for _ in range(2)]\n"
+            "time.sleep(1.0)\n"
+            "for pid in pids: os.waitpid(pid, 0)\n"
+            "print('done')\n")
+    measured = scale.run_measured([sys.executable, "-c", hold], env=None, cwd=tmp_path)
+    assert measured.returncode == 0 and measured.stdout.strip() == "done"
+    assert 300 * 2**20 <= measured.peak_bytes < 450 * 2**20
+
+
 def test_a_failing_stage_names_itself_and_its_error(scale, tmp_path):
     measured = scale.run_measured([sys.executable, "-c", "import sys; sys.exit('recforge: bad input')"], None, tmp_path)
     with pytest.raises(scale.StageFailed, match="preparation failed \\(exit 1\\): recforge: bad input"):
