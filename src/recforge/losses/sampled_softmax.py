@@ -56,10 +56,11 @@ _FORCE_FORM: str | None = None
 def _form(table: torch.Tensor, n_cols: int) -> str:
     """Which of _GatheredDots' forms scores ``n_cols`` ids per row against ``table``.
 
-    The sparse form needs more table rows than ids per row: torch's CPU ``sampled_addmm`` refuses
-    a pattern with more entries than its dense shape has (an error, never a wrong value), which
-    only a catalogue smaller than the negatives per position makes (tests' toy tables); such
-    tables get the dense or gathered form even where ``_FORCE_FORM`` asks for the sparse one.
+    The sparse form needs more table rows than ids per row: torch 2.13's CPU ``sampled_addmm``
+    raises (``torch.copy_: only sparse compressed tensors with the same number of specified
+    elements``) on a pattern with more entries than its dense shape has, which only a catalogue
+    smaller than the negatives per position makes (tests' toy tables); such tables get the dense
+    or gathered form even where ``_FORCE_FORM`` asks for the sparse one.
     """
     sparse_ok = table.shape[0] > n_cols
     if _FORCE_FORM is not None and (_FORCE_FORM != "sparse" or sparse_ok):
