@@ -40,10 +40,53 @@ HIT_LOGIT = -5e4
 # [chunk, n_items] scores of the dense form): ~8 MB in fp32, cache-sized.
 _CHUNK_ELEMENTS = 1 << 21
 # The dense form scores every item: n_items / C times the multiply-adds of the gathered form, but
-# as matrix products, where the gathered form's gradient is a scatter-add of P·C rows of D (on CPU
-# about 40M elements/s against some 50 GFLOP/s of matmul). It is chosen while
-# n_items <= _DENSE_RATIO · C: ml-1m and ml-20m with 128 negatives, not Amazon Books.
+# as matrix products, where the gathered form's gradient is a scatter-add of P·C rows of D. It is
+# chosen (where the sparse form is not) while n_items <= _DENSE_RATIO · C.
 _DENSE_RATIO = 256
+# The sparse form's devices and dtypes: torch's CSR kernels (sampled_addmm, CSR @ dense) on the CPU
+# in fp32/fp64. There it beats both other forms at every catalogue size (issue 17: with P = 11.8k
+# positions, C = 129, D = 256 on 2 cores, forward + backward ~0.55 s against the dense form's ~8.4 s
+# at ml-20m's 27,278 items and ~1.1 s at 3,410; the dense form grows with n_items).
+_SPARSE_DEVICES = ("cpu",)
+_SPARSE_DTYPES = (torch.float32, torch.float64)
+# Tests force one form ("gathered", "dense" or "sparse") through this; None = chosen by _form.
+_FORCE_FORM: str | None = None
+
+
+def _form(table: torch.Tensor, n_cols: int) -> str:
+    """Which of _GatheredDots' forms scores ``n_cols`` ids per row against ``table``.
+
+    The sparse form needs more table rows than ids per row: torch 2.13's CPU ``sampled_addmm``
+    raises (``torch.copy_: only sparse compressed tensors with the same number of specified
+    elements``) on a pattern with more entries than its dense shape has, which only a catalogue
+    smaller than the negatives per position makes (tests' toy tables); such tables get the dense
+    or gathered form even where ``_FORCE_FORM`` asks for the sparse one.
+    """
+    sparse_ok = table.shape[0] > n_cols
+    if _FORCE_FORM is not None and (_FORCE_FORM != "sparse" or sparse_ok):
+        return _FORCE_FORM
+    if sparse_ok and table.device.type in _SPARSE_DEVICES and table.dtype in _SPARSE_DTYPES:
+        return "sparse"
+    return "dense" if table.shape[0] <= _DENSE_RATIO * n_cols else "gathered"
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A CSR matrix from its parts, without torch's one-off "CSR support is in beta" warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
+
+
+def _transposed_csr(ids: torch.Tensor, values: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """``S^T`` as CSR ``[n_rows, P]``, where ``S [P, n_rows]`` holds ``values[p, c]`` at
+    ``(p, ids[p, c])`` (repeated ids stay separate entries: a product sums them)."""
+    n_pos, n_cols = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by item, positions ascending within one
+    crow = torch.zeros(n_rows + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(torch.bincount(flat, minlength=n_rows), 0, out=crow[1:])
+    positions = torch.div(order, n_cols, rounding_mode="floor")
+    return _csr(crow, positions, values.reshape(-1)[order], (n_rows, n_pos))
 
 
 class _GatheredDots(torch.autograd.Function):
@@ -51,14 +94,21 @@ class _GatheredDots(torch.autograd.Function):
 
     Autograd through ``table[ids]`` followed by a bmm stores the gathered ``[P, C, D]`` block
     (the reference gathers and normalises it: two such blocks, ~60% of an HSTU step, spec §5)
-    and builds another in backward. Here both passes walk over row chunks. Two forms of the same
-    sums, picked by the table's size against the columns (``_DENSE_RATIO``):
+    and builds another in backward. Three forms of the same sums (``_form`` picks one):
 
-    * gathered: ``[chunk, C, D]`` rows gathered, a batched dot; backward re-gathers for the
-      queries' gradient and scatter-adds ``[chunk·C, D]`` rows into the table's;
+    * sparse (CPU, fp32/fp64): ``S`` is the ``[P, n]`` CSR pattern with C entries per row at the
+      ids' columns. Forward: ``sampled_addmm`` computes only those ``P·C`` dot products.
+      Backward: the gradient on that pattern, ``grad_q = S_g @ table`` and
+      ``grad_table = S_g^T @ queries`` (two sparse-dense products, ``P·C·D`` multiply-adds
+      each, nothing of size ``P·n``);
+    * gathered: row chunks, ``[chunk, C, D]`` rows gathered, a batched dot; backward re-gathers
+      for the queries' gradient and scatter-adds ``[chunk·C, D]`` rows into the table's;
     * dense: the chunk's scores against the whole table, ``[chunk, n]`` (one matmul), of which the
       ids' columns are taken; backward scatters the gradient into ``[chunk, n]`` (chunk·C adds)
-      and multiplies it with the table and the queries (two matmuls).
+      and multiplies it with the table and the queries (two matmuls): ``n / C`` times the
+      multiply-adds, so its cost grows with the catalogue.
+
+    :func:`_gathered_dots_reference` is the plain autograd twin all three are tested against.
     """
 
     @staticmethod
@@ -66,7 +116,18 @@ class _GatheredDots(torch.autograd.Function):
         ctx: Any, queries: torch.Tensor, table: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         n_pos, n_cols = ids.shape
-        dense = table.shape[0] <= _DENSE_RATIO * n_cols
+        form = _form(table, n_cols)
+        ctx.save_for_backward(queries, table, ids)
+        ctx.form = form
+        if form == "sparse":
+            ctx.chunk = n_pos
+            if n_pos == 0 or n_cols == 0:
+                return queries.new_zeros(n_pos, n_cols)
+            crow = torch.arange(0, n_pos * n_cols + 1, n_cols, dtype=torch.int64, device=ids.device)
+            pattern = _csr(crow, ids.reshape(-1), queries.new_zeros(n_pos * n_cols), (n_pos, table.shape[0]))
+            scores = torch.sparse.sampled_addmm(pattern, queries.contiguous(), table.T, beta=0.0)
+            return scores.values().view(n_pos, n_cols)
+        dense = form == "dense"
         width = table.shape[0] if dense else n_cols * table.shape[1]
         chunk = max(1, _CHUNK_ELEMENTS // max(1, width))
         out = queries.new_empty(n_pos, n_cols)
@@ -77,8 +138,7 @@ class _GatheredDots(torch.autograd.Function):
             else:
                 rows = table[ids[start:stop]]  # [c, C, D]
                 torch.bmm(rows, queries[start:stop].unsqueeze(2), out=out[start:stop].unsqueeze(2))
-        ctx.save_for_backward(queries, table, ids)
-        ctx.chunk, ctx.dense = chunk, dense
+        ctx.chunk = chunk
         return out
 
     @staticmethod
@@ -86,12 +146,14 @@ class _GatheredDots(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         queries, table, ids = ctx.saved_tensors
         n_pos, dim = queries.shape
+        if ctx.form == "sparse":
+            return _sparse_dots_backward(ctx.needs_input_grad, grad_out, queries, table, ids)
         grad_q = torch.empty_like(queries) if ctx.needs_input_grad[0] else None
         grad_t = torch.zeros_like(table) if ctx.needs_input_grad[1] else None
         for start in range(0, n_pos, ctx.chunk):
             stop = min(start + ctx.chunk, n_pos)
             g = grad_out[start:stop]  # [c, C]
-            if ctx.dense:
+            if ctx.form == "dense":
                 spread = g.new_zeros(stop - start, table.shape[0]).scatter_add_(1, ids[start:stop], g)
                 if grad_q is not None:
                     torch.mm(spread, table, out=grad_q[start:stop])
@@ -105,6 +167,31 @@ class _GatheredDots(torch.autograd.Function):
                 contrib = g.unsqueeze(2) * queries[start:stop].unsqueeze(1)  # [c, C, D]
                 grad_t.index_add_(0, ids[start:stop].reshape(-1), contrib.reshape(-1, dim))
         return grad_q, grad_t, None
+
+
+def _sparse_dots_backward(
+    needs: tuple[bool, ...], grad_out: torch.Tensor, queries: torch.Tensor, table: torch.Tensor,
+    ids: torch.Tensor,
+) -> tuple[torch.Tensor | None, ...]:
+    """The sparse form's gradients: ``S_g @ table`` and ``S_g^T @ queries``."""
+    n_pos, n_cols = ids.shape
+    grad_out = grad_out.contiguous()
+    if n_pos == 0 or n_cols == 0:
+        return (torch.zeros_like(queries) if needs[0] else None,
+                torch.zeros_like(table) if needs[1] else None, None)
+    grad_q = grad_t = None
+    if needs[0]:
+        crow = torch.arange(0, n_pos * n_cols + 1, n_cols, dtype=torch.int64, device=ids.device)
+        spread = _csr(crow, ids.reshape(-1), grad_out.reshape(-1), (n_pos, table.shape[0]))
+        grad_q = spread @ table.contiguous()
+    if needs[1]:
+        grad_t = _transposed_csr(ids, grad_out, table.shape[0]) @ queries.contiguous()
+    return grad_q, grad_t, None
+
+
+def _gathered_dots_reference(queries: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The plain autograd twin of :class:`_GatheredDots`: gather ``[P, C, D]``, multiply, sum."""
+    return (table[ids] * queries.unsqueeze(1)).sum(dim=-1)
 
 
 def _normalized_rows(
@@ -155,8 +242,9 @@ class SampledSoftmax(nn.Module):
       generator lives on the device of the positives and its position is in ``state_dict``
       (``_extra_state``), so a resumed run draws what an uninterrupted one would.
 
-    Negatives are scored through :class:`_GatheredDots` (chunked gather + batched dot), never
-    holding the gathered ``[P, R, D]`` block.
+    Negatives are scored through :class:`_GatheredDots` (on the CPU the ``P·(1 + R)`` dot products
+    on a sparse pattern, elsewhere chunked gathers or products), never holding the gathered
+    ``[P, R, D]`` block.
     """
 
     consumes = SEQUENCE_POSITIONS

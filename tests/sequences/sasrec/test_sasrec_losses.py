@@ -47,10 +47,11 @@ def _grads(loss, *tensors):
 @pytest.mark.parametrize("n_items", [6, 400])  # whole-table and distinct-rows normalisation
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("dense", [False, True])  # the per-position scores gathered, or all scored
-def test_value_and_gradients_match_the_naive_loop(n_items, shared, weighted, dense, monkeypatch) -> None:
+# the per-position scores gathered, all scored, or scored on a sparse pattern
+@pytest.mark.parametrize("form", ["gathered", "dense", "sparse"])
+def test_value_and_gradients_match_the_naive_loop(n_items, shared, weighted, form, monkeypatch) -> None:
     monkeypatch.setattr(ss, "_CHUNK_ELEMENTS", 40)  # several chunks
-    monkeypatch.setattr(ss, "_DENSE_RATIO", 10**9 if dense else 0)
+    monkeypatch.setattr(ss, "_FORCE_FORM", form)
     q, positives, table, g = _inputs(n_items=n_items)
     r = 9
     shape = (r,) if shared else (len(positives), r)
@@ -64,6 +65,47 @@ def test_value_and_gradients_match_the_naive_loop(n_items, shared, weighted, den
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for a, b in zip(_grads(got, q, table), _grads(want, q, table)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["gathered", "dense", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_pos,n_cols,n_items", [(50, 9, 7), (40, 5, 6), (37, 33, 500), (0, 5, 10), (4, 0, 10)])
+def test_gathered_dots_forms_match_their_autograd_twin(form, dtype, n_pos, n_cols, n_items, monkeypatch) -> None:
+    """Every form of _GatheredDots against gather-multiply-sum under autograd, forward and
+    backward, with repeated ids in a row (few items) and items no row draws (many)."""
+    monkeypatch.setattr(ss, "_CHUNK_ELEMENTS", 300)  # several chunks for the chunked forms
+    monkeypatch.setattr(ss, "_FORCE_FORM", form)
+    g = torch.Generator().manual_seed(n_pos + n_cols + n_items)
+    q = torch.randn(n_pos, 16, generator=g, dtype=dtype, requires_grad=True)
+    table = torch.randn(n_items, 16, generator=g, dtype=dtype, requires_grad=True)
+    ids = torch.randint(0, n_items, (n_pos, n_cols), generator=g)
+    if n_pos and n_cols > 2:
+        ids[0, :3] = ids[0, 0].clone()  # a row drawing one item three times
+    grad_out = torch.randn(n_pos, n_cols, generator=g, dtype=dtype)
+    got = ss._GatheredDots.apply(q, table, ids)
+    want = ss._gathered_dots_reference(q, table, ids)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    assert got.shape == want.shape == (n_pos, n_cols)
+    torch.testing.assert_close(got, want, **tol)
+    got_grads = torch.autograd.grad(got, (q, table), grad_out)
+    want_grads = torch.autograd.grad(want, (q, table), grad_out, allow_unused=True)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, **tol)
+
+
+def test_the_sparse_form_serves_cpu_float_tables_only(monkeypatch) -> None:
+    monkeypatch.setattr(ss, "_FORCE_FORM", None)
+    assert ss._form(torch.zeros(27278, 4), 129) == "sparse"
+    assert ss._form(torch.zeros(300, 4, dtype=torch.float64), 129) == "sparse"
+    assert ss._form(torch.zeros(129, 4), 129) == "dense"  # no more rows than ids per row
+    monkeypatch.setattr(ss, "_FORCE_FORM", "sparse")
+    assert ss._form(torch.zeros(6, 4), 10) == "dense"
+    monkeypatch.setattr(ss, "_FORCE_FORM", None)
+    assert ss._form(torch.zeros(30, 4, dtype=torch.bfloat16), 5) == "dense"
+    assert ss._form(torch.zeros(30_000, 4, dtype=torch.bfloat16), 5) == "gathered"
+    monkeypatch.setattr(ss, "_SPARSE_DEVICES", ())  # what a GPU table gets
+    assert ss._form(torch.zeros(27278, 4), 129) == "dense"
+    assert ss._form(torch.zeros(715_000, 4), 513) == "gathered"
 
 
 def test_accidental_hits_get_the_reference_logit_and_no_gradient() -> None:
