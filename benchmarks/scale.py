@@ -17,7 +17,8 @@ process whose wall time and peak memory are measured:
 Peak memory is the largest memory of the child's whole process tree (the sum of its processes'
 proportional set sizes, so that pages a forked worker shares with its parent count once), sampled
 every 0.1 s from ``/proc`` (Linux), and the kernel's own peak resident set of the child itself
-(``wait4``), whichever is larger. Then, per stage, the exponent of a least-squares fit of log(cost) on log(raw rows): 1.0 is
+(``wait4``), whichever is larger; the kernel's figure only where it exceeds this process's own
+peak, since it includes the memory the child was started from. Then, per stage, the exponent of a least-squares fit of log(cost) on log(raw rows): 1.0 is
 linear, above it superlinear. Printed as tables (markdown) and one JSON line; ``--json FILE`` also
 writes it there.
 
@@ -182,6 +183,7 @@ class Measured:
 def run_measured(command: list[str], env: dict[str, str], cwd: Path = REPO) -> Measured:
     """Runs ``command``, sampling its process tree's memory; wall time, peak resident bytes, output."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        own_peak = _own_peak_bytes()
         start = time.perf_counter()
         child = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
         peak = 0
@@ -201,8 +203,25 @@ def run_measured(command: list[str], env: dict[str, str], cwd: Path = REPO) -> M
         child.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        # ru_maxrss is in KiB on Linux
-        return Measured(seconds, max(peak, usage.ru_maxrss * 1024), child.returncode, out.read(), err.read())
+        # ru_maxrss (KiB on Linux) catches a spike between two samples, but the kernel folds into it
+        # the peak of the memory the child ran in before its exec, which is this process's: at or
+        # below our own peak it says nothing about the child, and only the samples count.
+        kernel_peak = usage.ru_maxrss * 1024
+        if own_peak is None or kernel_peak <= own_peak:
+            kernel_peak = 0
+        return Measured(seconds, max(peak, kernel_peak), child.returncode, out.read(), err.read())
+
+
+def _own_peak_bytes() -> int | None:
+    """This process's peak resident set (``VmHWM``), or None where ``/proc`` does not give it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def fitted_exponent(sizes: list[float], costs: list[float]) -> float | None:

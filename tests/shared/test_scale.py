@@ -53,7 +53,12 @@ def test_a_child_process_tree_is_timed_and_its_peak_memory_seen(scale, tmp_path)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory sampler reads /proc (Linux)")
 def test_pages_a_forked_worker_shares_with_its_parent_count_once(scale, tmp_path):
     # the parent touches 300 MiB, then forks two workers that only sleep: each worker's resident set
-    # holds the 300 MiB too (mapped, shared), so a sum of resident sets would read ~900 MiB
+    # holds the 300 MiB too (mapped, shared), so a sum of resident sets would read ~900 MiB.
+    # This process first peaks at 600 MiB: the kernel puts that peak into the child's ru_maxrss (the
+    # memory it ran in before its exec), which must not be taken for the child's.
+    ballast = bytearray(600 * 2**20)
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    del ballast
     hold = ("import os, time\n"
             "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096])\n"
             "pids = [os.fork() or (time.sleep(1.0), os._exit(0)) for _ in range(2)]\n"
