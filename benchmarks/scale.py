@@ -120,13 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------- measuring
-def _proportional_bytes(pid: int) -> int | None:
-    """``pid``'s proportional set size (``Pss`` of ``/proc/PID/smaps_rollup``): its private pages plus
-    its share of each page it shares. None where the kernel does not give it."""
+def _proc_bytes(path: str, field: str) -> int | None:
+    """The ``FIELD:  N kB`` line of a ``/proc`` file, in bytes; None where it cannot be read."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
@@ -166,7 +165,8 @@ def _tree_rss(root: int) -> int:
     for pid in tree:
         if pid not in rss:
             continue
-        pss = _proportional_bytes(pid)
+        # PSS: private pages plus a share of each shared one
+        pss = _proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss")
         total += rss[pid] if pss is None else pss
     return total
 
@@ -183,7 +183,7 @@ class Measured:
 def run_measured(command: list[str], env: dict[str, str], cwd: Path = REPO) -> Measured:
     """Runs ``command``, sampling its process tree's memory; wall time, peak resident bytes, output."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        own_peak = _own_peak_bytes()
+        own_peak = _proc_bytes("/proc/self/status", "VmHWM")
         start = time.perf_counter()
         child = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, text=True)
         peak = 0
@@ -210,18 +210,6 @@ def run_measured(command: list[str], env: dict[str, str], cwd: Path = REPO) -> M
         if own_peak is None or kernel_peak <= own_peak:
             kernel_peak = 0
         return Measured(seconds, max(peak, kernel_peak), child.returncode, out.read(), err.read())
-
-
-def _own_peak_bytes() -> int | None:
-    """This process's peak resident set (``VmHWM``), or None where ``/proc`` does not give it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def fitted_exponent(sizes: list[float], costs: list[float]) -> float | None:
