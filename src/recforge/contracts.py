@@ -146,7 +146,8 @@ class SequenceModel(Protocol):
 
     ``forward(items [ΣL], offsets [B+1]) -> [ΣL, D]`` L2-normalised user vectors; the row of
     position p scores the item after p. ``last_positions(outputs, offsets) -> [B, D]``: each
-    row's last vector (the evaluation query). ``item_table``: the raw ``[n_items, D]`` table
+    row's last vector; ``encode_last(items, offsets) -> [B, D]``: the same from the inputs (the
+    evaluation query; a model may compute only those rows). ``item_table``: the raw ``[n_items, D]`` table
     (the loss's items, gradients reach it); ``item_embeddings() -> [n_items, D]``: the vectors
     the catalogue is ranked with.
     """
@@ -160,6 +161,8 @@ class SequenceModel(Protocol):
     def item_embeddings(self) -> torch.Tensor: ...
 
     def last_positions(self, outputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_last(self, items: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
 
     def __call__(self, items: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
 
@@ -185,6 +188,14 @@ class TimedSequenceModel(Protocol):
     def item_embeddings(self) -> torch.Tensor: ...
 
     def last_positions(self, outputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_last(
+        self,
+        items: torch.Tensor,
+        offsets: torch.Tensor,
+        timestamps: torch.Tensor,
+        query_times: torch.Tensor,
+    ) -> torch.Tensor: ...
 
     def __call__(
         self,

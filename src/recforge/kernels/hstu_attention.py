@@ -18,7 +18,12 @@ padded width N = max_sequence_length + 11), not by the row's length, so a row's 
 depend on how long the other rows of its batch are. The biases are shared by the heads.
 
 ``kernel="pytorch"`` (:func:`hstu_attention_reference`) is plain differentiable torch: the CPU path
-and the oracle of the Triton twin. ``kernel="triton"`` runs
+and the oracle of the Triton twin. Where no gradient is wanted (evaluation) it runs
+:func:`hstu_attention_inference` instead: the same sums over query blocks, only the keys a block
+can see, in place, never a ``B·H·L²`` tensor. :func:`hstu_attention_last` gives only each row's
+last query (the evaluation's user vector needs no other in the last layer).
+:func:`time_bucket_grid` is the time-bucket grid of a batch, which every layer shares (only the
+weights differ): computed once and passed to each layer as ``buckets``. ``kernel="triton"`` runs
 :mod:`recforge.kernels.hstu_attention_triton`, imported lazily, falling back to the reference with
 one warning per process when Triton cannot run.
 """
@@ -32,7 +37,15 @@ from torch.nn import functional as F
 from recforge.kernels.jagged import jagged_positions
 from recforge.kernels.twin import KernelImpl, TritonTwin
 
-__all__ = ["LOG_BUCKET_DIVISOR", "hstu_attention", "hstu_attention_reference", "time_buckets"]
+__all__ = [
+    "LOG_BUCKET_DIVISOR",
+    "hstu_attention",
+    "hstu_attention_inference",
+    "hstu_attention_last",
+    "hstu_attention_reference",
+    "time_bucket_grid",
+    "time_buckets",
+]
 
 TRITON = TritonTwin("recforge.kernels.hstu_attention_triton")
 
@@ -52,6 +65,37 @@ def time_buckets(delta: Tensor, num_buckets: int) -> Tensor:
     # = |float32(Δ)|, so converting before abs and clamp rounds exactly as the reference does.
     scaled = delta.to(torch.float32, copy=True).abs_().clamp_(min=1).log_().div_(LOG_BUCKET_DIVISOR)
     return scaled.long().clamp_(0, num_buckets)
+
+
+# An inference block holds about this many scores: 4 MB of float32, so that a block's scores stay
+# in cache through the bias, SiLU and mask passes before its product with V.
+_BLOCK_SCORES = 1 << 20
+# query rows per block (a multiple of the SIMD width); rows of the batch per block follow
+_QUERY_ROWS = 64
+
+
+def _padder(offsets: Tensor, total: int, max_len: int):
+    """(slot of each element in a padded ``[B·max_len]`` grid, values -> ``[B, max_len, ...]``)."""
+    batch = offsets.numel() - 1
+    rows, positions = jagged_positions(offsets, total)
+    slot = rows * max_len + positions
+
+    def padded(values: Tensor) -> Tensor:
+        grid = values.new_zeros((batch * max_len, *values.shape[1:]))
+        return grid.index_copy(0, slot, values).view(batch, max_len, *values.shape[1:])
+
+    return slot, padded
+
+
+def time_bucket_grid(
+    offsets: Tensor, max_len: int, timestamps: Tensor, query_times: Tensor, num_buckets: int
+) -> Tensor:
+    """``[B, max_len, max_len]`` int32: entry ``[b, i, j]`` is ``bucket(τ_i − t_j)`` of row b
+    (:func:`time_buckets`); entries with i or j past the row's end are junk that only masked
+    pairs read. The same for every layer of a batch: compute it once and pass it as ``buckets``."""
+    _, padded = _padder(offsets, timestamps.numel(), max_len)
+    delta = padded(query_times).unsqueeze(2) - padded(timestamps).unsqueeze(1)
+    return time_buckets(delta, num_buckets).to(torch.int32)
 
 
 class _RelativeBias(torch.autograd.Function):
@@ -106,8 +150,10 @@ def hstu_attention_reference(
     timestamps: Tensor,
     query_times: Tensor,
     width: int,
+    buckets: Tensor | None = None,
 ) -> Tensor:
-    """The PyTorch reference of :func:`hstu_attention` (validated inputs).
+    """The PyTorch reference of :func:`hstu_attention` (validated inputs; ``buckets``, when
+    given, is :func:`time_bucket_grid` of these times).
 
     Pads q, k, v to ``[B, max_len, H, ·]`` with max_len the *batch's* longest row, not the global
     ``width`` the reference pads to: padding is exact here because every row is left-aligned, so
@@ -118,24 +164,122 @@ def hstu_attention_reference(
     """
     total, heads, _ = q.shape
     batch = offsets.numel() - 1
-    rows, positions = jagged_positions(offsets, total)
-    slot = rows * max_len + positions
-
-    def padded(values: Tensor) -> Tensor:
-        grid = values.new_zeros((batch * max_len, *values.shape[1:]))
-        return grid.index_copy(0, slot, values).view(batch, max_len, *values.shape[1:])
-
+    slot, padded = _padder(offsets, total, max_len)
     scores = torch.einsum("bihd,bjhd->bhij", padded(q), padded(k))  # [B, H, L, L]
     steps = torch.arange(max_len, device=q.device)
     rel = width - 1 + steps.unsqueeze(0) - steps.unsqueeze(1)  # [i, j]: index of distance j − i
-    # padded slots get time 0: their buckets are junk, but only masked pairs read them
-    delta = padded(query_times).unsqueeze(2) - padded(timestamps).unsqueeze(1)  # [B, L, L]
-    buckets = time_buckets(delta, time_weights.numel() - 1)
+    if buckets is None:  # padded slots get time 0: junk buckets, but only masked pairs read them
+        buckets = time_bucket_grid(offsets, max_len, timestamps, query_times, time_weights.numel() - 1)
     bias = _RelativeBias.apply(pos_weights, time_weights, rel, buckets)  # [B, L, L]
     causal = torch.ones(max_len, max_len, dtype=scores.dtype, device=q.device).tril()
     weights = F.silu(scores + bias.unsqueeze(1).to(scores.dtype)) / width * causal
     out = torch.einsum("bhij,bjhd->bihd", weights, padded(v))  # [B, L, H, dv]
     return _Unpad.apply(out.reshape(batch * max_len, heads, v.shape[2]), slot)
+
+
+@torch.no_grad()
+def hstu_attention_inference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    max_len: int,
+    pos_weights: Tensor,
+    time_weights: Tensor,
+    timestamps: Tensor,
+    query_times: Tensor,
+    width: int,
+    buckets: Tensor | None = None,
+) -> Tensor:
+    """:func:`hstu_attention_reference` without autograd, by blocks: the fast twin for evaluation.
+
+    The padded batch is cut into blocks of ``_QUERY_ROWS`` query positions and as many rows of
+    the batch as keep a block's scores near ``_BLOCK_SCORES``; a block computes its scores only
+    against the keys it can see (``j < i1``, about half the reference's ``L²``), adds the bias,
+    SiLU, divides by ``width`` and masks in place, and multiplies by V. Memory: the padded
+    inputs plus one block, not ``B·H·L²``. Same sums as the reference; the order of the float
+    operations within a dot product may differ (round-off, not a result).
+    """
+    total, heads, dqk = q.shape
+    dv = v.shape[2]
+    batch = offsets.numel() - 1
+    slot, padded = _padder(offsets, total, max_len)
+    if total == 0 or max_len == 0:
+        return v.new_zeros((total, heads, dv))
+    if buckets is None:
+        buckets = time_bucket_grid(offsets, max_len, timestamps, query_times, time_weights.numel() - 1)
+    qp, kp, vp = (padded(t).transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, L, d]
+    steps = torch.arange(max_len, device=q.device)
+    rel = width - 1 + steps.unsqueeze(0) - steps.unsqueeze(1)  # [i, j]
+    out = v.new_empty((batch, heads, max_len, dv))
+    for i0 in range(0, max_len, _QUERY_ROWS):
+        i1 = min(max_len, i0 + _QUERY_ROWS)
+        n = i1 - i0
+        # j > i only inside the block's own columns i0..i1: the rows' lower-left square is open
+        above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+        per_block = max(1, _BLOCK_SCORES // (heads * n * i1))
+        pos_block = pos_weights[rel[i0:i1, :i1]]  # [n, i1]
+        for b0 in range(0, batch, per_block):
+            b1 = min(batch, b0 + per_block)
+            scores = torch.matmul(qp[b0:b1, :, i0:i1], kp[b0:b1, :, :i1].transpose(2, 3))
+            # summed in the weights' dtype, then cast, as the reference does
+            bias = (pos_block + time_weights[buckets[b0:b1, i0:i1, :i1]]).to(scores.dtype)
+            scores.add_(bias.unsqueeze(1))  # [b, H, n, i1]
+            F.silu(scores, inplace=True)
+            scores.div_(width)
+            scores[..., i0:i1].masked_fill_(above, 0.0)
+            out[b0:b1, :, i0:i1] = torch.matmul(scores, vp[b0:b1, :, :i1])
+    return out.transpose(1, 2).reshape(batch * max_len, heads, dv).index_select(0, slot)
+
+
+@torch.no_grad()
+def hstu_attention_last(
+    q_last: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    max_len: int,
+    pos_weights: Tensor,
+    time_weights: Tensor,
+    timestamps: Tensor,
+    query_time: Tensor,
+    width: int,
+    buckets: Tensor | None = None,
+) -> Tensor:
+    """Each row's *last* query only: row b's output at its position ``L_b − 1`` ``[B, H, dv]``.
+
+    ``q_last [B, H, dqk]`` is that position's query, ``k [T, H, dqk]`` and ``v [T, H, dv]`` the
+    row's keys and values as in :func:`hstu_attention`, ``query_time [B]`` the last position's
+    query time (the target's); ``buckets`` as :func:`time_bucket_grid` of the batch, if at hand.
+    Every row needs at least one element. No autograd (evaluation); what the full op gives at
+    the last positions, for ``L`` times less attention.
+    """
+    total, heads, _ = k.shape
+    dv = v.shape[2]
+    batch = offsets.numel() - 1
+    if batch == 0:
+        return v.new_zeros((0, heads, dv))
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths < 1).any()):
+        raise ValueError("hstu_attention_last needs every row to have at least one element")
+    _, padded = _padder(offsets, total, max_len)
+    kp, vp = (padded(t).transpose(1, 2) for t in (k, v))  # [B, H, L, d]
+    last = lengths - 1  # [B]
+    steps = torch.arange(max_len, device=k.device)
+    if buckets is None:
+        delta = query_time.unsqueeze(1) - padded(timestamps)  # [B, L]
+        row_buckets = time_buckets(delta, time_weights.numel() - 1)
+    else:
+        row_buckets = buckets[torch.arange(batch, device=k.device), last].long()  # [B, L]
+    # j − last ranges over [−last, max_len − 1 − last]: inside the table's 2·width − 1 entries
+    rel = width - 1 + steps.unsqueeze(0) - last.unsqueeze(1)  # [B, L]
+    bias = pos_weights[rel] + time_weights[row_buckets]
+    scores = torch.matmul(kp, q_last.unsqueeze(3)).squeeze(3)  # [B, H, L]
+    scores.add_(bias.to(scores.dtype).unsqueeze(1))
+    F.silu(scores, inplace=True)
+    scores.div_(width)
+    scores.masked_fill_((steps.unsqueeze(0) > last.unsqueeze(1)).unsqueeze(1), 0.0)
+    return torch.matmul(scores.unsqueeze(2), vp).squeeze(2)  # [B, H, dv]
 
 
 def _validate(
@@ -201,6 +345,7 @@ def hstu_attention(
     query_times: Tensor,
     width: int,
     kernel: KernelImpl = "pytorch",
+    buckets: Tensor | None = None,
 ) -> Tensor:
     """Jagged causal HSTU attention with relative position and time biases (module docstring).
 
@@ -215,6 +360,9 @@ def hstu_attention(
         width: the fixed divisor of the SiLU scores and the position weights' half-size.
         kernel: ``"pytorch"`` or ``"triton"``; ``"triton"`` falls back to ``"pytorch"`` (one
             warning per process) when Triton cannot take these tensors.
+        buckets: :func:`time_bucket_grid` of these offsets and times, when the caller has it
+            (a model computes it once for all its layers); the PyTorch paths read it, the
+            Triton kernel buckets in registers and ignores it.
 
     Returns:
         ``[T, H, dv]`` in v's dtype, differentiable in q, k, v, pos_weights and time_weights (the
@@ -227,7 +375,13 @@ def hstu_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len,
             pos_weights, time_weights, timestamps, query_times, width,
         ),
-        reference=lambda: hstu_attention_reference(
-            q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width
+        reference=lambda: (hstu_attention_reference if _wants_grad(q, k, v, pos_weights, time_weights)
+                           else hstu_attention_inference)(
+            q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width,
+            buckets,
         ),
     )
+
+
+def _wants_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

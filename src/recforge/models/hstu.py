@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from recforge.config_values import Range
 from recforge.contracts import TimedSequenceModel
-from recforge.kernels.hstu_attention import hstu_attention
+from recforge.kernels.hstu_attention import hstu_attention, hstu_attention_last, time_bucket_grid
 from recforge.kernels.hstu_output import hstu_output
 from recforge.kernels.twin import KernelChoice, KernelImpl, kernel_of
 from recforge.models.item_sequence import ItemSequenceEncoder
@@ -88,8 +88,10 @@ class HSTULayer(nn.Module):
         max_len: int,
         timestamps: torch.Tensor,
         query_times: torch.Tensor,
+        buckets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x ``[ΣL, D]``, offsets ``[B+1]``, timestamps and query_times ``[ΣL]`` -> ``[ΣL, D]``."""
+        """x ``[ΣL, D]``, offsets ``[B+1]``, timestamps and query_times ``[ΣL]`` -> ``[ΣL, D]``;
+        ``buckets``: the batch's :func:`time_bucket_grid`, shared by the layers, if at hand."""
         total = x.shape[0]
         h, dqk, dv = self.num_heads, self.dqk, self.dv
         projected = F.silu(F.layer_norm(x, (self.embedding_dim,), eps=_LN_EPS) @ self.uvqk)
@@ -98,8 +100,38 @@ class HSTULayer(nn.Module):
             q.reshape(total, h, dqk), k.reshape(total, h, dqk), v.reshape(total, h, dv), offsets,
             max_len=max_len, pos_weights=self.pos_weights, time_weights=self.time_weights,
             timestamps=timestamps, query_times=query_times, width=self.width,
-            kernel=self.attention_kernel,
+            kernel=self.attention_kernel, buckets=buckets,
         ).reshape(total, h * dv)
+        return self._output(attn, u, x)
+
+    def forward_last(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        timestamps: torch.Tensor,
+        query_times: torch.Tensor,
+        buckets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward`'s rows at each row's last position only, ``[B, D]``, without autograd
+        (the evaluation's last layer): V and K of every position, U and Q of the last ones, and
+        one query per row through the attention. Every row needs at least one element."""
+        total, batch = x.shape[0], offsets.numel() - 1
+        h, dqk, dv = self.num_heads, self.dqk, self.dv
+        last = offsets[1:] - 1
+        normed = F.layer_norm(x, (self.embedding_dim,), eps=_LN_EPS)
+        w_u, w_v, w_q, w_k = self.uvqk.split([h * dv, h * dv, h * dqk, h * dqk], dim=1)
+        normed_last = normed.index_select(0, last)
+        u, q = F.silu(normed_last @ w_u), F.silu(normed_last @ w_q)
+        v, k = F.silu(normed @ w_v), F.silu(normed @ w_k)
+        attn = hstu_attention_last(
+            q.reshape(batch, h, dqk), k.reshape(total, h, dqk), v.reshape(total, h, dv), offsets,
+            max_len, self.pos_weights, self.time_weights, timestamps,
+            query_times.index_select(0, last), self.width, buckets,
+        ).reshape(batch, h * dv)
+        return self._output(attn, u, x.index_select(0, last))
+
+    def _output(self, attn: torch.Tensor, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return hstu_output(
             attn, u, x, self.o.weight, self.o.bias,
             dropout_p=self.linear_dropout_rate if self.training else 0.0, eps=_LN_EPS,
@@ -191,6 +223,17 @@ class HSTU(ItemSequenceEncoder):
         notice, the bucket being of |Δ|), and histories longer than the width (the data module
         truncates to the most recent ``max_sequence_length`` items).
         """
+        x, max_len, buckets = self._inputs(items, offsets, timestamps, query_times)
+        for layer in self.layers:
+            x = layer(x, offsets, max_len, timestamps, query_times, buckets)
+        return self.output(x)
+
+    def _inputs(
+        self, items: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor | None,
+        query_times: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """Checked inputs -> (the first layer's input, the longest row, the time-bucket grid
+        every layer reads; None where the Triton kernel buckets in registers instead)."""
         total = items.numel()
         batch_size = offsets.numel() - 1
         lengths = offsets[1:] - offsets[:-1]
@@ -203,16 +246,29 @@ class HSTU(ItemSequenceEncoder):
             )
         _check_times(timestamps, query_times, offsets, total)
         x, max_len, _, _ = self.embed_inputs(items, offsets)
-        for layer in self.layers:
-            x = layer(x, offsets, max_len, timestamps, query_times)
-        return self.output(x)
+        first = self.layers[0]
+        on_triton = first.attention_kernel == "triton" and items.is_cuda
+        buckets = None if on_triton or total == 0 else time_bucket_grid(
+            offsets, max_len, timestamps, query_times, first.time_weights.numel() - 1)
+        return x, max_len, buckets
 
     def encode_last(
         self, items: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
         query_times: torch.Tensor,
     ) -> torch.Tensor:
-        """The arguments of :meth:`forward` -> each row's query ``[B, D]`` (unit rows)."""
-        return self.last_positions(self(items, offsets, timestamps, query_times), offsets)
+        """The arguments of :meth:`forward` -> each row's query ``[B, D]`` (unit rows): what
+        :meth:`forward` gives at the last positions. Without autograd (evaluation) the last
+        layer computes only those rows (:meth:`HSTULayer.forward_last`); every row needs at
+        least one item."""
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            return self.last_positions(self(items, offsets, timestamps, query_times), offsets)
+        if offsets.numel() > 1 and bool((offsets[1:] <= offsets[:-1]).any()):
+            raise ValueError("encode_last needs every history to have at least one item")
+        x, max_len, buckets = self._inputs(items, offsets, timestamps, query_times)
+        for layer in self.layers[:-1]:
+            x = layer(x, offsets, max_len, timestamps, query_times, buckets)
+        return self.output(self.layers[-1].forward_last(x, offsets, max_len, timestamps,
+                                                        query_times, buckets))
 
 
 def _check_times(

@@ -83,12 +83,19 @@ class SequentialRetrievalTask(RecTask):
 
     def encode(self, batch: HistoryBatch) -> torch.Tensor:
         """The model's vector at every position of the batch, ``[ΣL, D]``."""
+        return self.model(batch.items, batch.offsets, *self._times(batch))
+
+    def encode_last(self, batch: HistoryBatch) -> torch.Tensor:
+        """Each row's query, the model's vector at its last position ``[B, D]``."""
+        return self.model.encode_last(batch.items, batch.offsets, *self._times(batch))
+
+    def _times(self, batch: HistoryBatch) -> tuple[torch.Tensor, ...]:
         if not self.timed:
-            return self.model(batch.items, batch.offsets)
+            return ()
         # the time of what each position predicts: the same shift as the positives', applied to
         # the times (next item's time, the target's at a row's last position)
         query_times = next_item_positives(batch.timestamps, batch.offsets, batch.target_timestamps)
-        return self.model(batch.items, batch.offsets, batch.timestamps, query_times)
+        return batch.timestamps, query_times
 
     # ------------------------------------------------------------------ training
     def train_loss(self, batch: HistoryBatch) -> torch.Tensor:
@@ -106,7 +113,7 @@ class SequentialRetrievalTask(RecTask):
         return self._pass_catalogue
 
     def _rank_targets(self, batch: HistoryBatch, split: str) -> None:
-        queries = self.model.last_positions(self.encode(batch), batch.offsets)
+        queries = self.encode_last(batch)
         self.evaluation.update(
             split, queries, self._catalogue(), None, batch.targets,
             exclude_items=batch.exclude_items, exclude_offsets=batch.exclude_offsets,

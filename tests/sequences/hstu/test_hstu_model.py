@@ -3,6 +3,7 @@ buckets against the spec's hand-checked values, the published parameter counts, 
 independence, bad input refused in one line, and training end to end on synthetic histories."""
 from __future__ import annotations
 
+import importlib
 import math
 import warnings
 from pathlib import Path
@@ -12,12 +13,21 @@ import torch
 
 from sequences.oracles import most_popular_hr
 
-from recforge.kernels.hstu_attention import hstu_attention, time_buckets
+from recforge.kernels.hstu_attention import (
+    hstu_attention,
+    hstu_attention_inference,
+    hstu_attention_last,
+    hstu_attention_reference,
+    time_bucket_grid,
+    time_buckets,
+)
 from recforge.kernels.jagged import next_item_positives
 from recforge.losses.sampled_softmax import SampledSoftmax
 from recforge.models.hstu import HSTU
 from recforge.pipeline import build, train
 
+# the module, not the function of the same name that recforge.kernels exports
+attention_module = importlib.import_module("recforge.kernels.hstu_attention")
 DAY = 86_400
 
 
@@ -138,6 +148,87 @@ def test_attention_padding_longer_than_the_longest_row_changes_nothing():
                                hstu_attention(q, k, v, offsets, max_len=10, **args))
 
 
+def _attention_inputs(lengths, heads=2, dqk=3, dv=4, width=12, n_buckets=30, seed=3):
+    torch.manual_seed(seed)
+    items, offsets, times, query = _jagged(lengths)
+    total = len(items)
+    q, k, v = (torch.randn(total, heads, d, dtype=torch.float64) for d in (dqk, dqk, dv))
+    pos_w = torch.randn(2 * width - 1, dtype=torch.float64)
+    time_w = torch.randn(n_buckets + 1, dtype=torch.float64)
+    return q, k, v, offsets, pos_w, time_w, times, query, width
+
+
+@pytest.mark.parametrize("query_rows,block_scores", [(64, 1 << 20), (4, 50), (3, 1)])
+@pytest.mark.parametrize("lengths", [[5, 1, 0, 9, 3], [1], [0, 0], [11, 11, 2]])
+def test_inference_path_matches_a_naive_loop(monkeypatch, lengths, query_rows, block_scores):
+    # small blocks: several query blocks per row and one or a few rows of the batch per block
+    monkeypatch.setattr(attention_module, "_QUERY_ROWS", query_rows)
+    monkeypatch.setattr(attention_module, "_BLOCK_SCORES", block_scores)
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs(lengths)
+    want = naive_attention(q, k, v, offsets, pos_w, time_w, times, query, width)
+    args = (q, k, v, offsets, max(lengths), pos_w, time_w, times, query, width)
+    got = hstu_attention_inference(*args)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    grid = time_bucket_grid(offsets, max(lengths), times, query, time_w.numel() - 1)
+    torch.testing.assert_close(hstu_attention_inference(*args, grid), want, rtol=1e-12, atol=1e-13)
+
+
+def test_the_op_takes_the_inference_path_only_where_no_gradient_is_wanted(monkeypatch):
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([6, 2, 7])
+    calls = []
+    real = attention_module.hstu_attention_inference
+    monkeypatch.setattr(attention_module, "hstu_attention_inference",
+                        lambda *a: calls.append(1) or real(*a))
+    args = dict(max_len=7, pos_weights=pos_w, time_weights=time_w, timestamps=times,
+                query_times=query, width=width)
+    want = naive_attention(q, k, v, offsets, pos_w, time_w, times, query, width)
+    torch.testing.assert_close(hstu_attention(q, k, v, offsets, **args), want, rtol=1e-12, atol=1e-13)
+    assert calls == [1]
+    q.requires_grad_(True)
+    got = hstu_attention(q, k, v, offsets, **args)
+    assert calls == [1] and got.requires_grad
+    with torch.no_grad():
+        hstu_attention(q, k, v, offsets, **args)
+    assert calls == [1, 1]
+
+
+def test_a_shared_bucket_grid_gives_the_reference_its_own_result_and_gradients():
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([5, 0, 8, 3])
+    inputs = [t.requires_grad_(True) for t in (q, k, v, pos_w, time_w)]
+    grid = time_bucket_grid(offsets, 8, times, query, time_w.numel() - 1)
+    assert grid.dtype == torch.int32 and grid.shape == (4, 8, 8)
+    for b, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        for i in range(hi - lo):
+            for j in range(hi - lo):
+                assert int(grid[b, i, j]) == naive_bucket(int(query[lo + i]) - int(times[lo + j]), 30)
+    args = (q, k, v, offsets, 8, pos_w, time_w, times, query, width)
+    own, shared = hstu_attention_reference(*args), hstu_attention_reference(*args, grid)
+    assert torch.equal(own, shared)
+    upstream = torch.randn_like(own)
+    for a, b in zip(torch.autograd.grad(own, inputs, upstream), torch.autograd.grad(shared, inputs, upstream)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 9, 3], [1], [12, 12]])
+def test_last_query_attention_matches_the_naive_loop_at_each_rows_end(lengths):
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs(lengths)
+    want = naive_attention(q, k, v, offsets, pos_w, time_w, times, query, width)
+    last = offsets[1:] - 1
+    args = (q.index_select(0, last), k, v, offsets, max(lengths), pos_w, time_w, times,
+            query.index_select(0, last), width)
+    torch.testing.assert_close(hstu_attention_last(*args), want.index_select(0, last),
+                               rtol=1e-12, atol=1e-13)
+    grid = time_bucket_grid(offsets, max(lengths), times, query, time_w.numel() - 1)
+    torch.testing.assert_close(hstu_attention_last(*args, grid), want.index_select(0, last),
+                               rtol=1e-12, atol=1e-13)
+
+
+def test_last_query_attention_refuses_an_empty_row():
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([3, 0, 2])
+    with pytest.raises(ValueError, match="at least one element"):
+        hstu_attention_last(q[:3], k, v, offsets, 3, pos_w, time_w, times, query[:3], width)
+
+
 @pytest.mark.parametrize("seconds,bucket", [(60, 13), (3600, 27), (DAY, 37), (30 * DAY, 49),
                                             (365 * DAY, 57), (0, 0), (1, 0), (-3600, 27)])
 def test_time_buckets_match_the_spec(seconds, bucket):
@@ -196,6 +287,25 @@ def test_model_matches_a_naive_reference_on_a_jagged_batch(heads, dqk, dv):
             expected.append(naive_user(model, items[lo:hi].tolist(), times[lo:hi], query[lo:hi]))
     torch.testing.assert_close(out, torch.cat(expected), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(out.norm(dim=1), torch.ones(len(items), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_encode_last_without_autograd_is_forward_at_the_last_positions(blocks):
+    model = _model(num_blocks=blocks)
+    items, offsets, times, query = _jagged([5, 1, 16, 3, 19])
+    want = model.last_positions(model(items, offsets, times, query), offsets)
+    with torch.no_grad():
+        got = model.encode_last(items, offsets, times, query)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-13)
+    naive = [naive_user(model, items[lo:hi].tolist(), times[lo:hi], query[lo:hi])[-1]
+             for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    torch.testing.assert_close(got, torch.stack(naive), rtol=1e-10, atol=1e-12)
+    # with autograd it stays differentiable (the full forward)
+    grad_path = model.encode_last(items, offsets, times, query)
+    assert grad_path.requires_grad
+    torch.testing.assert_close(grad_path.detach(), got, rtol=1e-12, atol=1e-13)
+    with torch.no_grad(), pytest.raises(ValueError, match="at least one item"):
+        model.encode_last(items[:5], torch.tensor([0, 5, 5]), times[:5], query[:5])
 
 
 def test_causal():
