@@ -17,15 +17,16 @@ computed as the reference does (natural log in float32 of the clamped integer di
 padded width N = max_sequence_length + 11), not by the row's length, so a row's output does not
 depend on how long the other rows of its batch are. The biases are shared by the heads.
 
-``kernel="pytorch"`` (:func:`hstu_attention_reference`) is plain differentiable torch: the CPU path
-and the oracle of the Triton twin. Where no gradient is wanted (evaluation) it runs
-:func:`hstu_attention_inference` instead: the same sums over query blocks, only the keys a block
-can see, in place, never a ``B·H·L²`` tensor. :func:`hstu_attention_last` gives only each row's
-last query (the evaluation's user vector needs no other in the last layer).
-:func:`time_bucket_grid` is the time-bucket grid of a batch, which every layer shares (only the
-weights differ): computed once and passed to each layer as ``buckets``. ``kernel="triton"`` runs
-:mod:`recforge.kernels.hstu_attention_triton`, imported lazily, falling back to the reference with
-one warning per process when Triton cannot run.
+:func:`hstu_attention_reference` is plain differentiable torch over the padded ``B·H·L²`` scores:
+the slow obvious twin, the oracle of the others. ``kernel="pytorch"`` runs its blocked forms, the
+same sums over query blocks against only the keys a block can see, never a ``B·H·L²`` tensor:
+:func:`hstu_attention_blocked` where a gradient is wanted (its backward recomputes each block's
+scores instead of keeping them) and :func:`hstu_attention_inference` where none is (in place).
+:func:`hstu_attention_last` gives only each row's last query (the evaluation's user vector needs
+no other in the last layer). :func:`time_bucket_grid` is the time-bucket grid of a batch, which
+every layer shares (only the weights differ): computed once and passed to each layer as
+``buckets``. ``kernel="triton"`` runs :mod:`recforge.kernels.hstu_attention_triton`, imported
+lazily, falling back to the PyTorch path with one warning per process when Triton cannot run.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from recforge.kernels.twin import KernelImpl, TritonTwin
 __all__ = [
     "LOG_BUCKET_DIVISOR",
     "hstu_attention",
+    "hstu_attention_blocked",
     "hstu_attention_inference",
     "hstu_attention_last",
     "hstu_attention_reference",
@@ -177,6 +179,71 @@ def hstu_attention_reference(
     return _Unpad.apply(out.reshape(batch * max_len, heads, v.shape[2]), slot)
 
 
+def _blocks(batch: int, heads: int, max_len: int):
+    """The block schedule of the blocked paths: ``(i0, i1, b0, b1)``, query positions
+    ``i0:i1`` (``_QUERY_ROWS`` at a time) of batch rows ``b0:b1`` (as many as keep the block's
+    ``heads · (i1 − i0) · i1`` scores near ``_BLOCK_SCORES``)."""
+    for i0 in range(0, max_len, _QUERY_ROWS):
+        i1 = min(max_len, i0 + _QUERY_ROWS)
+        per_block = max(1, _BLOCK_SCORES // (heads * (i1 - i0) * i1))
+        for b0 in range(0, batch, per_block):
+            yield i0, i1, b0, min(batch, b0 + per_block)
+
+
+class _Block:
+    """One query block's pre-activations ``s = q·kᵀ + bias`` against the keys it can see
+    (``j < i1``), and the mask of the pairs past the diagonal, which lie only in the block's
+    own columns ``i0:i1``."""
+
+    def __init__(self, qp: Tensor, kp: Tensor, pos_weights: Tensor, time_weights: Tensor,
+                 buckets: Tensor, width: int):
+        self.qp, self.kp, self.pos_weights, self.time_weights = qp, kp, pos_weights, time_weights
+        self.buckets, self.width = buckets, width
+        self._rows = -1
+
+    def rows(self, i0: int, i1: int) -> None:
+        """Cache what depends on the query rows only: the position bias and the mask."""
+        if self._rows == i0:
+            return
+        steps = torch.arange(i1, device=self.qp.device)
+        self.rel = self.width - 1 + steps.unsqueeze(0) - steps[i0:i1].unsqueeze(1)  # [n, i1]
+        self.pos_block = self.pos_weights[self.rel]
+        self.above = torch.ones(i1 - i0, i1 - i0, dtype=torch.bool, device=self.qp.device).triu_(1)
+        self._rows = i0
+
+    def scores(self, i0: int, i1: int, b0: int, b1: int) -> Tensor:
+        """``[b, H, n, i1]`` pre-activations of batch rows b0:b1, query rows i0:i1."""
+        self.rows(i0, i1)
+        s = torch.matmul(self.qp[b0:b1, :, i0:i1], self.kp[b0:b1, :, :i1].transpose(2, 3))
+        # summed in the weights' dtype, then cast, as the reference does
+        bias = self.pos_block + self.time_weights[self.buckets[b0:b1, i0:i1, :i1]]
+        return s.add_(bias.to(s.dtype).unsqueeze(1))
+
+    def mask_(self, t: Tensor, i0: int) -> Tensor:
+        t[..., i0:].masked_fill_(self.above, 0.0)
+        return t
+
+
+def _padded_heads(padded, *tensors: Tensor) -> list[Tensor]:
+    """Jagged ``[T, H, d]`` -> padded ``[B, H, L, d]``, contiguous."""
+    return [padded(t).transpose(1, 2).contiguous() for t in tensors]
+
+
+def _jagged(grid: Tensor, slot: Tensor) -> Tensor:
+    """Padded ``[B, H, L, d]`` -> jagged ``[T, H, d]``."""
+    batch, heads, max_len, d = grid.shape
+    return grid.transpose(1, 2).reshape(batch * max_len, heads, d).index_select(0, slot)
+
+
+def _blocked_forward(block: _Block, vp: Tensor, width: int) -> Tensor:
+    batch, heads, max_len, dv = vp.shape
+    out = vp.new_empty((batch, heads, max_len, dv))
+    for i0, i1, b0, b1 in _blocks(batch, heads, max_len):
+        w = F.silu(block.scores(i0, i1, b0, b1), inplace=True).div_(width)
+        out[b0:b1, :, i0:i1] = torch.matmul(block.mask_(w, i0), vp[b0:b1, :, :i1])
+    return out
+
+
 @torch.no_grad()
 def hstu_attention_inference(
     q: Tensor,
@@ -200,36 +267,100 @@ def hstu_attention_inference(
     inputs plus one block, not ``B·H·L²``. Same sums as the reference; the order of the float
     operations within a dot product may differ (round-off, not a result).
     """
-    total, heads, dqk = q.shape
+    total, heads, _ = q.shape
     dv = v.shape[2]
-    batch = offsets.numel() - 1
-    slot, padded = _padder(offsets, total, max_len)
     if total == 0 or max_len == 0:
         return v.new_zeros((total, heads, dv))
+    slot, padded = _padder(offsets, total, max_len)
     if buckets is None:
         buckets = time_bucket_grid(offsets, max_len, timestamps, query_times, time_weights.numel() - 1)
-    qp, kp, vp = (padded(t).transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, L, d]
-    steps = torch.arange(max_len, device=q.device)
-    rel = width - 1 + steps.unsqueeze(0) - steps.unsqueeze(1)  # [i, j]
-    out = v.new_empty((batch, heads, max_len, dv))
-    for i0 in range(0, max_len, _QUERY_ROWS):
-        i1 = min(max_len, i0 + _QUERY_ROWS)
-        n = i1 - i0
-        # j > i only inside the block's own columns i0..i1: the rows' lower-left square is open
-        above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
-        per_block = max(1, _BLOCK_SCORES // (heads * n * i1))
-        pos_block = pos_weights[rel[i0:i1, :i1]]  # [n, i1]
-        for b0 in range(0, batch, per_block):
-            b1 = min(batch, b0 + per_block)
-            scores = torch.matmul(qp[b0:b1, :, i0:i1], kp[b0:b1, :, :i1].transpose(2, 3))
-            # summed in the weights' dtype, then cast, as the reference does
-            bias = (pos_block + time_weights[buckets[b0:b1, i0:i1, :i1]]).to(scores.dtype)
-            scores.add_(bias.unsqueeze(1))  # [b, H, n, i1]
-            F.silu(scores, inplace=True)
-            scores.div_(width)
-            scores[..., i0:i1].masked_fill_(above, 0.0)
-            out[b0:b1, :, i0:i1] = torch.matmul(scores, vp[b0:b1, :, :i1])
-    return out.transpose(1, 2).reshape(batch * max_len, heads, dv).index_select(0, slot)
+    qp, kp, vp = _padded_heads(padded, q, k, v)
+    block = _Block(qp, kp, pos_weights, time_weights, buckets, width)
+    return _jagged(_blocked_forward(block, vp, width), slot)
+
+
+class _BlockedAttention(torch.autograd.Function):
+    """The blocked attention with its own backward, which recomputes each block's scores
+    instead of keeping them: memory ``O(B·H·L·d)`` plus one block, where the reference keeps
+    several ``B·H·L²`` tensors for its backward. Per block, with ``a`` the pre-activation,
+    ``w = SiLU(a) / width`` masked and ``g`` the output's gradient: ``dV += wᵀg``,
+    ``da = (g·Vᵀ) · SiLU'(a) / width`` masked, ``dQ = da·K``, ``dK += daᵀQ``, and the bias
+    gradient ``Σ_heads da`` binned by position distance and by time bucket."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pos_weights, time_weights, offsets, max_len, buckets, width):
+        slot, padded = _padder(offsets, q.shape[0], max_len)
+        qp, kp, vp = _padded_heads(padded, q, k, v)
+        out = _blocked_forward(_Block(qp, kp, pos_weights, time_weights, buckets, width), vp, width)
+        ctx.save_for_backward(qp, kp, vp, pos_weights, time_weights, buckets, slot)
+        ctx.width = width
+        return _jagged(out, slot)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        qp, kp, vp, pos_weights, time_weights, buckets, slot = ctx.saved_tensors
+        width = ctx.width
+        batch, heads, max_len, _ = qp.shape
+        dv = vp.shape[3]
+        g = grad.new_zeros((batch * max_len, heads, dv)).index_copy_(0, slot, grad.to(vp.dtype))
+        g = g.view(batch, max_len, heads, dv).transpose(1, 2).contiguous()  # [B, H, L, dv]
+        dq, dk, dvp = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
+        # the bias gradients are sums of many terms: accumulated in float64, cast at the end
+        d_pos = torch.zeros(pos_weights.numel(), dtype=torch.float64, device=qp.device)
+        d_time = torch.zeros(time_weights.numel(), dtype=torch.float64, device=qp.device)
+        block = _Block(qp, kp, pos_weights, time_weights, buckets, width)
+        for i0, i1, b0, b1 in _blocks(batch, heads, max_len):
+            a = block.scores(i0, i1, b0, b1)  # [b, H, n, i1]
+            sig = torch.sigmoid(a)
+            g_blk = g[b0:b1, :, i0:i1]
+            w = block.mask_(a * sig / width, i0)
+            dvp[b0:b1, :, :i1] += torch.matmul(w.transpose(2, 3), g_blk)
+            # SiLU'(a) = σ(a)·(1 + a·(1 − σ(a))), in place over a's storage
+            d_act = a.mul_(1 - sig).add_(1).mul_(sig).div_(width)
+            da = block.mask_(torch.matmul(g_blk, vp[b0:b1, :, :i1].transpose(2, 3)).mul_(d_act), i0)
+            dq[b0:b1, :, i0:i1] = torch.matmul(da, kp[b0:b1, :, :i1])
+            dk[b0:b1, :, :i1] += torch.matmul(da.transpose(2, 3), qp[b0:b1, :, i0:i1])
+            d_bias = da.sum(1)  # [b, n, i1]
+            if ctx.needs_input_grad[3]:
+                d_pos += torch.bincount(block.rel.reshape(-1), weights=d_bias.sum(0).reshape(-1).double(),
+                                        minlength=d_pos.numel())
+            if ctx.needs_input_grad[4]:
+                d_time += torch.bincount(buckets[b0:b1, i0:i1, :i1].reshape(-1),
+                                         weights=d_bias.reshape(-1).double(), minlength=d_time.numel())
+        return (
+            _jagged(dq, slot) if ctx.needs_input_grad[0] else None,
+            _jagged(dk, slot) if ctx.needs_input_grad[1] else None,
+            _jagged(dvp, slot) if ctx.needs_input_grad[2] else None,
+            d_pos.to(pos_weights.dtype) if ctx.needs_input_grad[3] else None,
+            d_time.to(time_weights.dtype) if ctx.needs_input_grad[4] else None,
+            None, None, None, None,
+        )
+
+
+def hstu_attention_blocked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    max_len: int,
+    pos_weights: Tensor,
+    time_weights: Tensor,
+    timestamps: Tensor,
+    query_times: Tensor,
+    width: int,
+    buckets: Tensor | None = None,
+) -> Tensor:
+    """:func:`hstu_attention_reference` by query blocks, differentiable in q, k, v and both
+    weights (``_BlockedAttention``): the CPU training path, never a ``B·H·L²`` tensor."""
+    total, heads, _ = q.shape
+    if total == 0 or max_len == 0:
+        # nothing to attend: zeros that still connect every input to the graph
+        return v.new_zeros((total, heads, v.shape[2])) + 0 * (q.sum() + k.sum() + v.sum()
+                                                              + pos_weights.sum() + time_weights.sum())
+    if buckets is None:
+        buckets = time_bucket_grid(offsets, max_len, timestamps, query_times, time_weights.numel() - 1)
+    return _BlockedAttention.apply(q, k, v, pos_weights, time_weights, offsets, max_len, buckets, width)
 
 
 @torch.no_grad()
@@ -375,7 +506,7 @@ def hstu_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), offsets, max_len,
             pos_weights, time_weights, timestamps, query_times, width,
         ),
-        reference=lambda: (hstu_attention_reference if _wants_grad(q, k, v, pos_weights, time_weights)
+        reference=lambda: (hstu_attention_blocked if _wants_grad(q, k, v, pos_weights, time_weights)
                            else hstu_attention_inference)(
             q, k, v, offsets, max_len, pos_weights, time_weights, timestamps, query_times, width,
             buckets,

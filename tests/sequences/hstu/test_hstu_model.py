@@ -15,6 +15,7 @@ from sequences.oracles import most_popular_hr
 
 from recforge.kernels.hstu_attention import (
     hstu_attention,
+    hstu_attention_blocked,
     hstu_attention_inference,
     hstu_attention_last,
     hstu_attention_reference,
@@ -173,23 +174,63 @@ def test_inference_path_matches_a_naive_loop(monkeypatch, lengths, query_rows, b
     torch.testing.assert_close(hstu_attention_inference(*args, grid), want, rtol=1e-12, atol=1e-13)
 
 
-def test_the_op_takes_the_inference_path_only_where_no_gradient_is_wanted(monkeypatch):
+@pytest.mark.parametrize("query_rows,block_scores", [(64, 1 << 20), (4, 50), (3, 1)])
+@pytest.mark.parametrize("lengths", [[5, 1, 0, 9, 3], [1], [0, 0], [11, 11, 2]])
+def test_blocked_training_path_matches_a_naive_loop_forward_and_backward(monkeypatch, lengths,
+                                                                          query_rows, block_scores):
+    monkeypatch.setattr(attention_module, "_QUERY_ROWS", query_rows)
+    monkeypatch.setattr(attention_module, "_BLOCK_SCORES", block_scores)
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs(lengths)
+    inputs = [t.requires_grad_(True) for t in (q, k, v, pos_w, time_w)]
+    got = hstu_attention_blocked(q, k, v, offsets, max(lengths), pos_w, time_w, times, query, width)
+    want = naive_attention(q, k, v, offsets, pos_w, time_w, times, query, width)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    upstream = torch.randn_like(got)
+    grads_got = torch.autograd.grad(got, inputs, upstream)
+    if len(q) == 0:  # nothing to attend: the graph still reaches every input, with zeros
+        assert all(not g.any() for g in grads_got)
+        return
+    grads_want = torch.autograd.grad(want, inputs, upstream)
+    for name, a, b in zip(("q", "k", "v", "pos_weights", "time_weights"), grads_got, grads_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_blocked_training_path_gives_only_the_gradients_asked_for_in_float32(monkeypatch):
+    monkeypatch.setattr(attention_module, "_QUERY_ROWS", 4)
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([9, 4, 12])
+    q, k, v, pos_w, time_w = (t.float() for t in (q, k, v, pos_w, time_w))
+    v.requires_grad_(True)
+    time_w.requires_grad_(True)
+    args = (q, k, v, offsets, 12, pos_w, time_w, times, query, width)
+    got = hstu_attention_blocked(*args)
+    want = hstu_attention_reference(*args)
+    torch.testing.assert_close(got, want)  # float32 tolerances: the sums' order differs
+    upstream = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (v, time_w), upstream),
+                    torch.autograd.grad(want, (v, time_w), upstream)):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_op_takes_the_inference_path_without_gradients_and_the_blocked_one_with(monkeypatch):
     q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([6, 2, 7])
     calls = []
-    real = attention_module.hstu_attention_inference
-    monkeypatch.setattr(attention_module, "hstu_attention_inference",
-                        lambda *a: calls.append(1) or real(*a))
+    for name in ("hstu_attention_inference", "hstu_attention_blocked"):
+        real = getattr(attention_module, name)
+        monkeypatch.setattr(attention_module, name,
+                            lambda *a, _name=name, _real=real: calls.append(_name) or _real(*a))
     args = dict(max_len=7, pos_weights=pos_w, time_weights=time_w, timestamps=times,
                 query_times=query, width=width)
     want = naive_attention(q, k, v, offsets, pos_w, time_w, times, query, width)
     torch.testing.assert_close(hstu_attention(q, k, v, offsets, **args), want, rtol=1e-12, atol=1e-13)
-    assert calls == [1]
+    assert calls == ["hstu_attention_inference"]
     q.requires_grad_(True)
     got = hstu_attention(q, k, v, offsets, **args)
-    assert calls == [1] and got.requires_grad
+    assert calls[-1] == "hstu_attention_blocked" and got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
     with torch.no_grad():
         hstu_attention(q, k, v, offsets, **args)
-    assert calls == [1, 1]
+    assert calls == ["hstu_attention_inference", "hstu_attention_blocked", "hstu_attention_inference"]
 
 
 def test_a_shared_bucket_grid_gives_the_reference_its_own_result_and_gradients():
