@@ -321,6 +321,8 @@ class _BlockedAttention(torch.autograd.Function):
             da = block.mask_(torch.matmul(g_blk, vp[b0:b1, :, :i1].transpose(2, 3)).mul_(d_act), i0)
             dq[b0:b1, :, i0:i1] = torch.matmul(da, kp[b0:b1, :, :i1])
             dk[b0:b1, :, :i1] += torch.matmul(da.transpose(2, 3), qp[b0:b1, :, i0:i1])
+            if not (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
+                continue
             d_bias = da.sum(1)  # [b, n, i1]
             if ctx.needs_input_grad[3]:
                 d_pos += torch.bincount(block.rel.reshape(-1), weights=d_bias.sum(0).reshape(-1).double(),
@@ -353,11 +355,9 @@ def hstu_attention_blocked(
 ) -> Tensor:
     """:func:`hstu_attention_reference` by query blocks, differentiable in q, k, v and both
     weights (``_BlockedAttention``): the CPU training path, never a ``B·H·L²`` tensor."""
-    total, heads, _ = q.shape
-    if total == 0 or max_len == 0:
-        # nothing to attend: zeros that still connect every input to the graph
-        return v.new_zeros((total, heads, v.shape[2])) + 0 * (q.sum() + k.sum() + v.sum()
-                                                              + pos_weights.sum() + time_weights.sum())
+    if q.shape[0] == 0 or max_len == 0:  # nothing to attend: the reference's empty graph
+        return hstu_attention_reference(q, k, v, offsets, max_len, pos_weights, time_weights,
+                                        timestamps, query_times, width, buckets)
     if buckets is None:
         buckets = time_bucket_grid(offsets, max_len, timestamps, query_times, time_weights.numel() - 1)
     return _BlockedAttention.apply(q, k, v, pos_weights, time_weights, offsets, max_len, buckets, width)
