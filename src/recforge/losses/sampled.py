@@ -38,6 +38,13 @@ class SampledLoss(nn.Module):
         """The final activation applied to scores before the loss (monotone: ranking unchanged)."""
         return scores
 
+    def fast(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The loss of the fast training step (``task.fast_step``): the same function, its float
+        operations free to be fused or reordered. A loss without a faster form is itself."""
+        return self(scores, batch_size, log_q=log_q)
+
 
 class CrossEntropy(SampledLoss):
     """Softmax cross-entropy over the columns, with optional logq correction.
@@ -61,6 +68,22 @@ class CrossEntropy(SampledLoss):
         if self.logq > 0.0 and log_q is None:
             raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
         return sampled_softmax_xe(scores, log_q, self.logq, batch_size, kernel=self.kernel)
+
+    def fast(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """PyTorch's fused log-softmax cross-entropy: one pass forward, ``softmax - onehot`` back.
+
+        The reference's ``-log(p_ii + 1e-24)`` differs from ``-log p_ii`` only where the target's
+        probability is below ~1e-24 (a target 55 nats under its row's best column); there the
+        reference's gradient vanishes and this one does not.
+        """
+        if self.logq > 0.0:
+            if log_q is None:
+                raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
+            scores = scores - self.logq * log_q.unsqueeze(0)
+        targets = torch.arange(scores.shape[0], device=scores.device)
+        return F.cross_entropy(scores, targets, reduction="sum") / batch_size
 
 
 class _ELUScored(SampledLoss):

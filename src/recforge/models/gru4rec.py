@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from recforge.config_values import Range
 from recforge.contracts import SessionModel
 from recforge.errors import UserInputError
-from recforge.models.row_lookup import shared_row_lookup
+from recforge.models.row_lookup import shared_row_lookup, unique_row_lookup
 
 
 def _uniform_(tensor: torch.Tensor, fan_in: int, fan_out: int) -> None:
@@ -227,13 +227,20 @@ class GRU4Rec(nn.Module):
             nn.init.zeros_(cell.bias_hh)
 
     def train_step(
-        self, items: torch.Tensor, hidden: list[torch.Tensor], columns: torch.Tensor
+        self, items: torch.Tensor, hidden: list[torch.Tensor], columns: torch.Tensor,
+        distinct_rows: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One training step: scores ``[B, C]`` of ``columns`` after feeding ``items``.
 
         In the shared-embedding mode the input rows and the output columns come from one lookup,
         so their gradients reach ``Wy`` as one sparse tensor (summed once, as in the reference).
+
+        ``distinct_rows=True`` is the fast step (``task.fast_step``): the same scores, computed
+        over each distinct table row once (see :meth:`_train_step_distinct`). Its gradients sum
+        the duplicate rows in another order, so it is not bit-exact with the reference.
         """
+        if distinct_rows:
+            return self._train_step_distinct(items, hidden, columns)
         if not self.constrained_embedding:
             output, new_hidden = self.step(items, hidden)
             return self.score_columns(output, columns), new_hidden
@@ -244,6 +251,39 @@ class GRU4Rec(nn.Module):
             x, weights = rows[: len(items)], rows[len(items) :]
         output, new_hidden = self._recur(self._drop_embedding(x), hidden)
         return output @ weights.T + self.By(columns).T, new_hidden
+
+    def _train_step_distinct(
+        self, items: torch.Tensor, hidden: list[torch.Tensor], columns: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`train_step` over the distinct rows of ``Wy``/``By`` that the step reads.
+
+        The 2048 popularity-sampled negatives of a step repeat: on YooChoose about half the
+        columns are duplicates. Scoring the ``U`` distinct rows (``[B, U]``) and gathering the
+        ``C`` columns from them costs ``U/C`` of the three ``B×C×d`` products, and the tables'
+        gradients come out with distinct, sorted rows (each duplicate's share summed inside the
+        products), so the optimizer has nothing left to coalesce.
+        """
+        n_in = len(items) if self.constrained_embedding else 0
+        keys = torch.cat([items, columns]) if n_in else columns
+        rows, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+        weights = unique_row_lookup(self.Wy.weight, rows) if self.Wy.sparse else self.Wy.weight.index_select(0, rows)
+        if self.By.sparse:
+            # the bias rows of items that are only inputs add to no scored column: a lazy
+            # optimizer must not see them (the exact step never looks them up)
+            scored = None
+            if n_in:
+                scored = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
+                scored[inverse[n_in:]] = True
+            bias = unique_row_lookup(self.By.weight, rows, scored)
+        else:
+            bias = self.By.weight.index_select(0, rows)
+        if n_in:
+            x = weights.index_select(0, inverse[:n_in])
+            output, new_hidden = self._recur(self._drop_embedding(x), hidden)
+        else:
+            output, new_hidden = self.step(items, hidden)
+        scores = torch.addmm(bias.T, output, weights.T)
+        return scores.index_select(1, inverse[n_in:]), new_hidden
 
     def step(
         self, items: torch.Tensor, hidden: list[torch.Tensor]

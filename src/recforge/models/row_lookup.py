@@ -12,6 +12,8 @@ gathers the two sets directly and builds the same sparse gradient from the two i
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -50,3 +52,70 @@ def shared_row_lookup(weight: Tensor, first: Tensor, second: Tensor) -> tuple[Te
         ``nn.Embedding(sparse=True)`` gives for one lookup of the concatenated indices.
     """
     return _SharedRowLookup.apply(weight, first, second)
+
+
+class _UniqueRowLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: Tensor, rows: Tensor, keep: Tensor | None) -> Tensor:
+        ctx.save_for_backward(rows, keep)
+        ctx.weight = weakref.ref(weight)
+        ctx.weight_shape = weight.shape
+        return weight.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor):
+        rows, keep = ctx.saved_tensors
+        weight = ctx.weight()
+        if keep is not None:
+            rows, grad_rows = rows[keep], grad_rows[keep]
+        indices = rows.unsqueeze(0)
+        grad = torch.sparse_coo_tensor(
+            indices, grad_rows, ctx.weight_shape, check_invariants=False, is_coalesced=True
+        )
+        if weight is not None:
+            # Autograd stores a parameter's first gradient as a new sparse tensor over the same
+            # indices and values, without the coalesced flag; _mark_distinct puts it back.
+            weight._distinct_grad_indices = (indices.data_ptr(), indices.shape[1])
+        return grad, None, None
+
+
+def _mark_distinct(weight: Tensor) -> None:
+    """After accumulation: flag the gradient coalesced if it is exactly one distinct-row lookup's.
+
+    A gradient summed with another (accumulation over steps, a second lookup) has other indices
+    and stays unflagged, so the optimizer still coalesces it.
+    """
+    # (data pointer, length) of the distinct-row indices the last lookup's gradient was built on
+    built = getattr(weight, "_distinct_grad_indices", None)
+    weight._distinct_grad_indices = None
+    grad = weight.grad
+    if built is None or grad is None or not grad.is_sparse or grad.is_coalesced():
+        return
+    indices = grad._indices()
+    if (indices.data_ptr(), indices.shape[1]) == built:
+        grad._coalesced_(True)
+
+
+def unique_row_lookup(weight: Tensor, rows: Tensor, keep: Tensor | None = None) -> Tensor:
+    """``weight[rows]`` for sorted, distinct ``rows``, with an already coalesced sparse gradient.
+
+    The fast GRU4Rec step looks every table row up once (duplicates are resolved by the caller
+    through the inverse indices), so the gradient's rows are distinct and sorted by construction:
+    flagged coalesced, it spares the optimizer the sort and the duplicate sum that
+    :func:`shared_row_lookup`'s gradient needs.
+
+    Args:
+        weight: ``[n, d]`` table (a leaf parameter trained with sparse gradients).
+        rows: ``[U]`` strictly increasing row indices (``torch.unique``'s output).
+        keep: ``[U]`` bool, or None for all: the rows the gradient lists. A row left out is not
+            touched by a lazy optimizer (no momentum step), as a row the lookup never read; its
+            gradient must be zero (the caller's promise: read, but not used).
+
+    Returns:
+        ``[U, d]`` rows; backward gives ``weight`` a sparse COO gradient over ``rows[keep]``,
+        flagged coalesced when it is the parameter's only gradient.
+    """
+    if weight.requires_grad and not getattr(weight, "_distinct_grad_hooked", False):
+        weight.register_post_accumulate_grad_hook(_mark_distinct)
+        weight._distinct_grad_hooked = True
+    return _UniqueRowLookup.apply(weight, rows, keep)

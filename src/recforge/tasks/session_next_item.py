@@ -36,6 +36,9 @@ class SessionNextItemTask(RecTask):
         sample_alpha, sample_store_size: the sampling distribution's exponent and how many draws
             are made at once.
         seed: seed of the negative sampler (one independent stream per DDP rank).
+        fast_step: the opt-in fast training step (``task.fast_step=true``): scores and
+            gradients over each distinct item row once, which sums duplicate rows in another
+            order than the reference. Off, training retraces the official code bit for bit.
     """
 
     batch_type = SessionStep
@@ -59,6 +62,7 @@ class SessionNextItemTask(RecTask):
         seed: int | None = 0,
         gradient_clip_val: Annotated[float, Range(gt=0)] | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        fast_step: bool = False,
     ) -> None:
         super().__init__(optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm)
         self.save_hyperparameters(
@@ -75,6 +79,7 @@ class SessionNextItemTask(RecTask):
         self.sample_alpha = float(sample_alpha)
         self.sample_store_size = int(sample_store_size)
         self.seed = int(seed or 0)
+        self.fast_step = bool(fast_step)
         self.register_lazy("negative_sampler", self._new_sampler)
         self._train_hidden: list[torch.Tensor] | None = None
         self._eval_hidden: list[torch.Tensor] | None = None
@@ -167,9 +172,10 @@ class SessionNextItemTask(RecTask):
             log_q = self.log_popularity[batch.targets]
             if negatives is not None:
                 log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
-        scores, new_state = self.model.train_step(batch.inputs, state, columns)
+        scores, new_state = self.model.train_step(batch.inputs, state, columns, distinct_rows=self.fast_step)
         self._train_hidden = [h.detach() for h in new_state]
-        return self.loss(scores, self.batch_size, log_q=log_q)
+        loss = self.loss.fast if self.fast_step else self.loss
+        return loss(scores, self.batch_size, log_q=log_q)
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_epoch_start(self) -> None:

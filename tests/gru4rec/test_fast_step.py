@@ -1,0 +1,151 @@
+"""task.fast_step against the exact step it replaces: same scores, same gradients, same updates.
+
+The fast step scores each distinct item row once and hands the item tables gradients that are
+already coalesced; the exact step (the official code's arithmetic) is its slow twin here. In
+float64 the two agree to round-off; only the order of the duplicate-row sums differs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from recforge.kernels.sampled_loss import sampled_softmax_xe_reference
+from recforge.losses.sampled import BPRMax, CrossEntropy
+from recforge.models.gru4rec import GRU4Rec
+from recforge.models.row_lookup import unique_row_lookup
+from recforge.optim.adagrad_momentum import IndexedAdagradM
+
+N_ITEMS = 41
+ITEMS = torch.tensor([0, 5, 5, 40, 12, 3])
+# targets first, then sampled negatives with repeats, some of them also inputs or targets
+COLUMNS = torch.tensor([7, 5, 12, 12, 0, 3, 9, 9, 9, 40, 7, 1, 5, 33, 33, 2])
+
+MODES = {
+    "constrained": dict(constrained_embedding=True),
+    "embedding": dict(constrained_embedding=False, embedding=4),
+    "onehot": dict(constrained_embedding=False, embedding=0),
+}
+
+
+def _model(mode: str, seed: int = 0, **kwargs) -> GRU4Rec:
+    torch.manual_seed(seed)
+    model = GRU4Rec(n_items=N_ITEMS, hidden_size=6, **MODES[mode], **kwargs).double()
+    with torch.no_grad():  # biases start at zero; random ones test their wiring too
+        model.By.weight.normal_(0.0, 0.5)
+    return model
+
+
+def _hidden(model: GRU4Rec, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(len(ITEMS), w, generator=g, dtype=torch.float64) * 0.5 for w in model.state_widths]
+
+
+def _dense_grads(model: GRU4Rec) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.coalesce().to_dense() if p.grad.is_sparse else p.grad)
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("sparse", [True, False])
+def test_distinct_rows_step_equals_exact_step_forward_and_backward(mode, sparse):
+    exact = _model(mode, sparse_embeddings=sparse)
+    fast = _model(mode, sparse_embeddings=sparse)
+    g = torch.Generator().manual_seed(2)
+    upstream = torch.randn(len(ITEMS), len(COLUMNS), generator=g, dtype=torch.float64)
+    outputs = {}
+    for name, model in (("exact", exact), ("fast", fast)):
+        hidden = _hidden(model)
+        scores, new_hidden = model.train_step(ITEMS, hidden, COLUMNS, distinct_rows=name == "fast")
+        (scores * upstream).sum().backward()
+        outputs[name] = scores.detach(), [h.detach() for h in new_hidden], _dense_grads(model)
+    (s_exact, h_exact, g_exact), (s_fast, h_fast, g_fast) = outputs["exact"], outputs["fast"]
+    torch.testing.assert_close(s_fast, s_exact, rtol=1e-12, atol=1e-12)
+    for a, b in zip(h_fast, h_exact):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert g_fast.keys() == g_exact.keys()
+    for name in g_exact:
+        torch.testing.assert_close(g_fast[name], g_exact[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_distinct_rows_gradient_arrives_coalesced_over_the_rows_read():
+    model = _model("constrained")
+    scores, _ = model.train_step(ITEMS, _hidden(model), COLUMNS, distinct_rows=True)
+    scores.sum().backward()
+    grad = model.Wy.weight.grad
+    assert grad.is_sparse and grad.is_coalesced()
+    want = torch.unique(torch.cat([ITEMS, COLUMNS]))
+    assert torch.equal(grad._indices()[0], want)
+    # the bias rows of inputs that are not scored are left out, as the exact step never reads them
+    bias_grad = model.By.weight.grad
+    assert bias_grad.is_coalesced() and torch.equal(bias_grad._indices()[0], torch.unique(COLUMNS))
+
+
+def test_unique_row_lookup_flags_only_a_gradient_that_is_its_own():
+    weight = torch.nn.Parameter(torch.randn(10, 3, dtype=torch.float64))
+    rows = torch.tensor([1, 4, 7])
+    (unique_row_lookup(weight, rows) * 2).sum().backward()
+    assert weight.grad.is_coalesced()
+    want = torch.zeros(10, 3, dtype=torch.float64)
+    want[rows] = 2.0
+    assert torch.equal(weight.grad.to_dense(), want)
+    # accumulated onto the existing gradient: rows 1 (twice) and 2, no longer distinct
+    unique_row_lookup(weight, torch.tensor([1, 2])).sum().backward()
+    assert not weight.grad.is_coalesced()
+    want[[1, 2]] += 1.0
+    assert torch.equal(weight.grad.coalesce().to_dense(), want)
+    # two lookups summed by autograd before accumulation: row 4 twice
+    weight.grad = None
+    (unique_row_lookup(weight, rows).sum() + unique_row_lookup(weight, torch.tensor([4, 5])).sum()).backward()
+    assert not weight.grad.is_coalesced()
+    assert weight.grad.coalesce().to_dense()[4].tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("logq", [0.0, 1.0, 0.5])
+def test_fast_cross_entropy_equals_the_reference(logq):
+    g = torch.Generator().manual_seed(3)
+    scores = (torch.randn(6, 20, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    log_q = torch.log(torch.rand(20, generator=g, dtype=torch.float64) * 50 + 1)
+    loss = CrossEntropy(logq=logq)
+    got = loss.fast(scores, 32, log_q=log_q)
+    (grad_got,) = torch.autograd.grad(got, scores)
+    want = sampled_softmax_xe_reference(scores, log_q, logq, 32)
+    (grad_want,) = torch.autograd.grad(want, scores)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_got, grad_want, rtol=1e-10, atol=1e-12)
+    # by hand: softmax minus the one-hot target, over the configured batch size
+    x = scores.detach() - logq * log_q
+    hand = (F.softmax(x, dim=1) - torch.eye(6, 20, dtype=torch.float64)) / 32
+    torch.testing.assert_close(grad_got, hand, rtol=1e-10, atol=1e-12)
+
+
+def test_a_loss_without_a_fast_form_is_itself():
+    scores = torch.randn(4, 9, dtype=torch.float64)
+    loss = BPRMax(bpreg=0.5, elu_param=0.5)
+    assert torch.equal(loss.fast(scores, 8), loss(scores, 8))
+
+
+@pytest.mark.parametrize("loss", [CrossEntropy(logq=1.0), BPRMax(bpreg=0.5, elu_param=0.5)])
+def test_updates_of_the_fast_step_follow_the_exact_ones(loss):
+    """Five optimizer steps (sparse Adagrad with momentum, as trained) from one init: the weights
+    stay within round-off of the exact step's, dropout off so both see the same function."""
+    models = {name: _model("constrained") for name in ("exact", "fast")}
+    optims = {name: IndexedAdagradM(m.parameters(), lr=0.2, momentum=0.2) for name, m in models.items()}
+    log_pop = torch.log(torch.arange(1, N_ITEMS + 1, dtype=torch.float64))
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, N_ITEMS, (6,), generator=g), torch.randint(0, N_ITEMS, (6,), generator=g),
+                torch.randint(0, N_ITEMS, (10,), generator=g)) for _ in range(5)]
+    for name, model in models.items():
+        hidden = _hidden(model)
+        for items, targets, negatives in batches:
+            columns = torch.cat([targets, negatives])
+            scores, hidden = model.train_step(items, hidden, columns, distinct_rows=name == "fast")
+            hidden = [h.detach() for h in hidden]
+            value = (loss.fast if name == "fast" else loss)(scores, 8, log_q=log_pop[columns])
+            optims[name].zero_grad(set_to_none=True)
+            value.backward()
+            optims[name].step()
+    exact, fast = (dict(models[n].named_parameters()) for n in ("exact", "fast"))
+    for name in exact:
+        torch.testing.assert_close(fast[name], exact[name], rtol=1e-9, atol=1e-11)
+    assert not torch.equal(exact["Wy.weight"], _model("constrained").Wy.weight)  # it did train
