@@ -10,8 +10,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from recforge.kernels.sampled_loss import sampled_softmax_xe_reference
-from recforge.losses.sampled import BPRMax, CrossEntropy
+from recforge.kernels.sampled_loss import (
+    sampled_bprmax_fused,
+    sampled_bprmax_reference,
+    sampled_softmax_xe_reference,
+)
+from recforge.losses.sampled import BPRMax, CrossEntropy, TOP1Max
 from recforge.models.gru4rec import GRU4Rec
 from recforge.models.row_lookup import unique_row_lookup
 from recforge.optim.adagrad_momentum import IndexedAdagradM
@@ -65,7 +69,7 @@ def test_distinct_rows_step_equals_exact_step_forward_and_backward(mode, sparse)
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert g_fast.keys() == g_exact.keys()
     for name in g_exact:
-        torch.testing.assert_close(g_fast[name], g_exact[name], rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(g_fast[name], g_exact[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
 def test_distinct_rows_gradient_arrives_coalesced_over_the_rows_read():
@@ -121,8 +125,24 @@ def test_fast_cross_entropy_equals_the_reference(logq):
 
 def test_a_loss_without_a_fast_form_is_itself():
     scores = torch.randn(4, 9, dtype=torch.float64)
-    loss = BPRMax(bpreg=0.5, elu_param=0.5)
+    loss = TOP1Max(elu_param=0.5)
     assert torch.equal(loss.fast(scores, 8), loss(scores, 8))
+
+
+@pytest.mark.parametrize("elu_param", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("bpreg", [0.0, 0.5, 2.0])
+@pytest.mark.parametrize("shape", [(6, 20), (3, 3), (1, 2)])
+def test_fused_bprmax_equals_the_reference_forward_and_backward(elu_param, bpreg, shape):
+    g = torch.Generator().manual_seed(5)
+    scores = (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    upstream = torch.tensor(1.7, dtype=torch.float64)
+    got = sampled_bprmax_fused(scores, bpreg, elu_param, 32)
+    (grad_got,) = torch.autograd.grad(got * upstream, scores)
+    want = sampled_bprmax_reference(scores, bpreg, elu_param, 32)
+    (grad_want,) = torch.autograd.grad(want * upstream, scores)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_got, grad_want, rtol=1e-9, atol=1e-12)
+    assert BPRMax(bpreg=bpreg, elu_param=elu_param).fast(scores, 32).item() == pytest.approx(want.item(), rel=1e-12)
 
 
 @pytest.mark.parametrize("loss", [CrossEntropy(logq=1.0), BPRMax(bpreg=0.5, elu_param=0.5)])
@@ -147,5 +167,5 @@ def test_updates_of_the_fast_step_follow_the_exact_ones(loss):
             optims[name].step()
     exact, fast = (dict(models[n].named_parameters()) for n in ("exact", "fast"))
     for name in exact:
-        torch.testing.assert_close(fast[name], exact[name], rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(fast[name], exact[name], rtol=1e-9, atol=1e-11, msg=lambda m: f"{name}: {m}")
     assert not torch.equal(exact["Wy.weight"], _model("constrained").Wy.weight)  # it did train

@@ -27,6 +27,7 @@ from recforge.kernels.twin import KernelImpl, TritonTwin
 __all__ = [
     "negatives_softmax",
     "sampled_bprmax",
+    "sampled_bprmax_fused",
     "sampled_bprmax_reference",
     "sampled_softmax_xe",
     "sampled_softmax_xe_reference",
@@ -166,6 +167,61 @@ def sampled_bprmax_reference(
     pairwise = (torch.sigmoid(target - r) * s).sum(dim=1)
     loss = -torch.log(pairwise + 1e-24) + bpreg * (r.pow(2) * s).sum(dim=1)
     return loss.sum() / batch_size
+
+
+class _FusedBPRMax(torch.autograd.Function):
+    """BPR-max with its backward written out (the Triton kernel's formulas in PyTorch ops).
+
+    Autograd through the reference records some twenty ops on ``[B', C]`` and replays their
+    backward; here forward keeps the softmax numerators, the sigmoids and four numbers per row,
+    and backward is one expression per column (derivation in ``sampled_loss_triton``).
+    """
+
+    @staticmethod
+    def forward(ctx, scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> Tensor:
+        n_rows = scores.shape[0]
+        r = F.elu(scores, alpha=elu_param) if elu_param > 0 else scores
+        diag = torch.arange(n_rows, device=scores.device)
+        target = r[diag, diag].unsqueeze(1)
+        # the target is masked to 0 (not -inf) before the row max, as in the reference
+        masked = r.clone()
+        masked[diag, diag] = 0.0
+        e = torch.exp(masked - masked.max(dim=1, keepdim=True).values)
+        e[diag, diag] = 0.0
+        z = e.sum(dim=1, keepdim=True)
+        sig = torch.sigmoid(target - r)
+        pairwise = (e * sig).sum(dim=1, keepdim=True) / z
+        reg = (e * r * r).sum(dim=1, keepdim=True) / z
+        ctx.save_for_backward(scores, r, e, z, sig, pairwise, reg)
+        ctx.bpreg, ctx.elu_param, ctx.batch_size = bpreg, elu_param, batch_size
+        loss = -torch.log(pairwise + 1e-24) + bpreg * reg
+        return loss.sum() / batch_size
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        scores, r, e, z, sig, pairwise, reg = ctx.saved_tensors
+        n_rows = scores.shape[0]
+        diag = torch.arange(n_rows, device=scores.device)
+        s = e / z
+        inv_p = 1.0 / (pairwise + 1e-24)
+        sig_slope = sig * (1.0 - sig)
+        # negative k: its softmax weight and its own sigmoid move with r_k
+        dr = (s * (sig - pairwise - sig_slope)) * -inv_p + ctx.bpreg * (s * (r * r - reg + 2.0 * r))
+        # the target enters only through the sigmoids: -D / (P + eps), D = sum_j s_ij sig'_ij
+        dr[diag, diag] = -(s * sig_slope).sum(dim=1) * inv_p.squeeze(1)
+        if ctx.elu_param > 0:
+            # ELU'(x) = 1 above 0, alpha * exp(x) = ELU(x) + alpha below
+            dr = dr * torch.where(scores > 0, 1.0, r + ctx.elu_param)
+        return dr * (grad_out / ctx.batch_size), None, None, None
+
+
+def sampled_bprmax_fused(scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> Tensor:
+    """:func:`sampled_bprmax` in PyTorch ops with a written-out backward (the fast GRU4Rec step's
+    loss, ``task.fast_step``): same value and gradient as the reference up to float rounding."""
+    _validate_scores(scores, batch_size)
+    return _FusedBPRMax.apply(scores, float(bpreg), float(elu_param), batch_size)
 
 
 class _SampledBPRMax(torch.autograd.Function):

@@ -15,7 +15,12 @@ from torch.nn import functional as F
 
 from recforge.config_values import Range
 from recforge.contracts import NEXT_ITEM_COLUMNS
-from recforge.kernels.sampled_loss import negatives_softmax, sampled_bprmax, sampled_softmax_xe
+from recforge.kernels.sampled_loss import (
+    negatives_softmax,
+    sampled_bprmax,
+    sampled_bprmax_fused,
+    sampled_softmax_xe,
+)
 from recforge.kernels.twin import KernelImpl
 
 
@@ -118,6 +123,12 @@ class BPRMax(_ELUScored):
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
     ) -> torch.Tensor:
         return sampled_bprmax(scores, self.bpreg, self.elu_param, batch_size, kernel=self.kernel)
+
+    def fast(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The same loss with its backward written out (:func:`sampled_bprmax_fused`)."""
+        return sampled_bprmax_fused(scores, self.bpreg, self.elu_param, batch_size)
 
 
 class TOP1Max(_ELUScored):
