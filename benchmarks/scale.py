@@ -167,8 +167,17 @@ def _tree_rss(root: int) -> int:
             continue
         # PSS: private pages plus a share of each shared one
         pss = _proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss")
+        if pss is None and _pss_readable():
+            # it exited since the listing above: it holds nothing now (its resident set, read
+            # before, would count the pages it shared with its parent a second time)
+            continue
         total += rss[pid] if pss is None else pss
     return total
+
+
+def _pss_readable() -> bool:
+    """Whether this kernel gives proportional set sizes (``/proc/<pid>/smaps_rollup``, Linux 4.14+)."""
+    return _proc_bytes("/proc/self/smaps_rollup", "Pss") is not None
 
 
 @dataclass

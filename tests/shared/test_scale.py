@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -68,6 +70,30 @@ def test_pages_a_forked_worker_shares_with_its_parent_count_once(scale, tmp_path
     measured = scale.run_measured([sys.executable, "-c", hold], env=None, cwd=tmp_path)
     assert measured.returncode == 0 and measured.stdout.strip() == "done"
     assert 300 * 2**20 <= measured.peak_bytes < 450 * 2**20
+
+
+def test_a_worker_that_exits_between_listing_and_reading_is_not_counted(scale, monkeypatch):
+    # The tree is listed (with resident sets) first, the PSS of each process read after: a worker
+    # that exits in between has no smaps_rollup any more. Its resident set (the pages it shared
+    # with its parent) must not stand in for it, or the parent's memory counts twice (CI read 596
+    # MiB for a 300 MiB tree). Where the kernel gives no PSS at all, resident sets are the measure.
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                              "import sys; sys.stdout.write('ready\\n'); sys.stdout.flush(); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        real = scale._proc_bytes
+        gone = f"/proc/{child.pid}/smaps_rollup"
+        monkeypatch.setattr(scale, "_proc_bytes", lambda path, field: None if path == gone else real(path, field))
+        without = scale._tree_rss(os.getpid())
+        monkeypatch.setattr(scale, "_proc_bytes", real)
+        with_child = scale._tree_rss(os.getpid())
+        assert with_child - without >= 60 * 2**20  # the child's own 64 MiB, counted once it is readable
+        monkeypatch.setattr(scale, "_pss_readable", lambda: False)
+        monkeypatch.setattr(scale, "_proc_bytes", lambda path, field: None if "smaps_rollup" in path else real(path, field))
+        assert scale._tree_rss(os.getpid()) >= 64 * 2**20  # no PSS anywhere: resident sets
+    finally:
+        child.communicate("")
 
 
 def test_a_failing_stage_names_itself_and_its_error(scale, tmp_path):
