@@ -302,8 +302,8 @@ def train(args, preset: str, prepared: Path, env) -> dict:
 
 
 def evaluate(args, preset: str, prepared: Path, env) -> dict:
-    m, report = _throughput(args, preset, prepared, env, [
-        "--windows", "1", "--steps", "1", "--warmup", "1", "--lead", "1", "--eval-batches", str(args.eval_batches)])
+    # evaluation only: its process's peak is the pass's own, not a training step's
+    m, report = _throughput(args, preset, prepared, env, ["--no-train", "--windows", "1", "--eval-batches", str(args.eval_batches)])
     level = report["levels"]["lightning"]
     batches = report["epoch"]["test_batches"]
     per_s = level["eval_batches_per_s"]["median"]

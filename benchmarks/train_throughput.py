@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lead", type=int, default=2, help="untimed updates at the start of every window")
     p.add_argument("--warmup", type=int, default=10, help="updates of the untimed warm-up window")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation windows")
+    p.add_argument("--no-train", action="store_true",
+                   help="evaluation windows only: no update runs, so the process's peak memory is the "
+                        "evaluation's own (no gradients or optimizer state)")
     p.add_argument("--eval-batches", type=int, default=0, help="test batches per evaluation window (0: all)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: hardware=gpu, and every window ends after a device synchronise")
@@ -111,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps: expected an integer >= 1, got {args.steps}")
+    if args.no_train and args.no_eval:
+        p.error("--no-train with --no-eval measures nothing: drop one of them")
     return args
 
 
@@ -362,32 +367,38 @@ def measure(args, cfg, log) -> dict:
     levels = {name: Level(name, cfg, device) for name in args.level}
     first = levels[args.level[0]]
     unit = UNITS.get(first.task.batch_type.__name__, "rows")
-    # warm-up (untimed): allocator, optimizer state, code paths; its pace sets the window length
-    paces = []
-    for level in levels.values():
-        rows, updates, seconds = level.train_window(args.lead, args.warmup)
-        paces.append(seconds / max(updates, 1))
-        if not args.no_eval:
-            level.eval_window(2)
-    steps = args.steps or max(1, round(args.window_seconds / max(min(paces), 1e-9)))
-    log(f"# unit: {unit}; data.batch_size={first.datamodule.batch_size}; windows of {steps} timed updates "
-        f"after {args.lead} untimed ({'given' if args.steps else f'~{args.window_seconds:g} s from the warm-up'})")
     rates = {name: {f"train_{unit}_per_s": [], "train_updates_per_s": [], f"eval_{unit}_per_s": [],
                     "eval_batches_per_s": []} for name in levels}
-    for _ in range(args.windows):
-        for name, level in levels.items():
-            rows, updates, seconds = level.train_window(args.lead, steps)
-            if updates < steps:
-                log(f"#   note: a {name} window ran {updates} of {steps} updates (the epoch ended)")
-            rates[name][f"train_{unit}_per_s"].append(_rate(rows, seconds, f"{name} training"))
-            rates[name]["train_updates_per_s"].append(updates / seconds)
+    steps = 0
+    if args.no_train:  # warm-up (untimed): the evaluation's code paths and buffers
+        for level in levels.values():
+            level.eval_window(2)
+        log(f"# unit: {unit}; evaluation only (--no-train)")
+    else:
+        # warm-up (untimed): allocator, optimizer state, code paths; its pace sets the window length
+        paces = []
+        for level in levels.values():
+            rows, updates, seconds = level.train_window(args.lead, args.warmup)
+            paces.append(seconds / max(updates, 1))
+            if not args.no_eval:
+                level.eval_window(2)
+        steps = args.steps or max(1, round(args.window_seconds / max(min(paces), 1e-9)))
+        log(f"# unit: {unit}; data.batch_size={first.datamodule.batch_size}; windows of {steps} timed updates "
+            f"after {args.lead} untimed ({'given' if args.steps else f'~{args.window_seconds:g} s from the warm-up'})")
+        for _ in range(args.windows):
+            for name, level in levels.items():
+                rows, updates, seconds = level.train_window(args.lead, steps)
+                if updates < steps:
+                    log(f"#   note: a {name} window ran {updates} of {steps} updates (the epoch ended)")
+                rates[name][f"train_{unit}_per_s"].append(_rate(rows, seconds, f"{name} training"))
+                rates[name]["train_updates_per_s"].append(updates / seconds)
     if not args.no_eval:
         for _ in range(args.windows):
             for name, level in levels.items():
                 rows, batches, seconds = level.eval_window(args.eval_batches)
                 rates[name][f"eval_{unit}_per_s"].append(_rate(rows, seconds, f"{name} evaluation"))
                 rates[name]["eval_batches_per_s"].append(batches / seconds)
-    return {"unit": unit, "steps": steps, "sampler_store": sampler_fill(first.task),
+    return {"unit": unit, "steps": steps, "sampler_store": None if args.no_train else sampler_fill(first.task),
             "epoch": first.epoch_size(), "state_bytes": first.state_bytes(),
             "levels": {name: {k: summary(v) for k, v in r.items() if v} for name, r in rates.items()}}
 
@@ -461,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "torch": torch.__version__, "lightning": L.__version__, "cpu": cpu_model(),
         "load_average": {"start": load_start, "end": load_end}, "windows": args.windows, "lead": args.lead,
-        "warmup": args.warmup, "eval_batches": None if args.no_eval else (args.eval_batches or "all"), **result,
+        "warmup": None if args.no_train else args.warmup, "trained": not args.no_train,
+        "eval_batches": None if args.no_eval else (args.eval_batches or "all"), **result,
         "config": used,
     }, separators=(",", ":")), flush=True)
     return 0

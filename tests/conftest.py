@@ -1,6 +1,7 @@
 """Shared pytest fixtures."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -94,6 +95,21 @@ CHEAP = [
     "callbacks.progress_bar.refresh_rate=0",
     "trainer.enable_model_summary=false",
 ]
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` (a script folder, not a package) imported for a test module's
+    fixture; the folder stays on ``sys.path`` while the module is in use (its functions import
+    their sibling scripts lazily) and is taken off after."""
+    import importlib
+
+    folder = str(REPO_ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
 
 
 def family_sizes(tests_dir: Path = Path(__file__).parent) -> list[str]:

@@ -18,7 +18,8 @@ task -> evaluation    ``Task.evaluation_kind``                   ``Evaluation.ki
 An evaluation also implements :class:`Evaluation` (what the task and the pipeline call on it).
 
 A model's ``implements`` is a promise checked structurally by the tests (an instance is an
-instance of each runtime-checkable Protocol it names). A task that can drive models of more than
+instance of each runtime-checkable Protocol it names, and :func:`missing_parameters` finds no
+parameter of a Protocol method that the model's method lacks). A task that can drive models of more than
 one contract declares them all (``model_contract`` a tuple) and asks :func:`declares` which one
 it holds; it never guesses from attributes.
 
@@ -28,6 +29,7 @@ task it feeds).
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypedDict, runtime_checkable
 
@@ -117,7 +119,9 @@ class SessionModel(Protocol):
     """A step-wise session model (GRU4Rec): a hidden state carried from event to event.
 
     ``state_widths``: widths of the hidden state's tensors (one ``[B, w]`` each).
-    ``train_step(items [B], hidden, columns [C]) -> (scores [B, C], new hidden)``.
+    ``train_step(items [B], hidden, columns [C], distinct_rows=False) -> (scores [B, C], new
+    hidden)``; ``distinct_rows=True`` (``task.fast_step``) asks for the same function computed in
+    any order of summation that is faster (a model without such a path ignores it).
     ``step(items [B], hidden) -> (output [B, d], new hidden)`` (evaluation).
     ``item_weights() -> (weights [n_items, d], bias [n_items])``: the catalogue's scorer, the
     score of item j for output o being ``o @ weights[j] + bias[j]``.
@@ -130,7 +134,11 @@ class SessionModel(Protocol):
     def param_dtype(self) -> torch.dtype: ...
 
     def train_step(
-        self, items: torch.Tensor, hidden: list[torch.Tensor], columns: torch.Tensor
+        self,
+        items: torch.Tensor,
+        hidden: list[torch.Tensor],
+        columns: torch.Tensor,
+        distinct_rows: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
 
     def step(
@@ -260,3 +268,24 @@ def declares(model_or_cls: Any, contract: Any) -> bool:
     """Whether a model (class or instance) names ``contract`` in its ``implements``."""
     cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
     return contract in getattr(cls, "implements", ())
+
+
+def missing_parameters(model_or_cls: Any, contract: Any) -> list[str]:
+    """``"method(parameter)"`` for each parameter a ``contract`` method declares that the model's
+    method cannot take by that name: ``isinstance`` against a runtime-checkable Protocol checks
+    only that the names exist, so a model could miss a keyword a task passes and fail only when
+    the option that passes it is on."""
+    cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
+    missing = []
+    for name, declared in vars(contract).items():
+        if name.startswith("_") or not inspect.isfunction(declared):
+            continue
+        own = getattr(cls, name, None)
+        if own is None:
+            missing.append(f"{name}()")
+            continue
+        params = inspect.signature(own).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        missing += [f"{name}({p})" for p in list(inspect.signature(declared).parameters)[1:] if p not in params]
+    return missing

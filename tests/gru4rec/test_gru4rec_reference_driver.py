@@ -2,22 +2,17 @@
 arms end to end (the official arm played by a stand-in tree: the real code is not shipped)."""
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
+from conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def driver():
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        yield importlib.import_module("gru4rec_reference")
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    with benchmark_module("gru4rec_reference") as module:
+        yield module
 
 
 def _official_tree(root, driver, recall="0.5", mrr="0.25"):

@@ -11,6 +11,7 @@ from hydra.utils import get_class, instantiate
 
 from conftest import CONF_DIR, REPO_ROOT
 from recforge.config_checks import IncompatibleConfigError, check_combination
+from recforge.contracts import missing_parameters
 from recforge.data.sessions.io import write_session_file
 from recforge.data.sessions.synthetic import SyntheticSessionsConfig, generate_sessions, split_by_time
 from recforge.pipeline import build
@@ -66,6 +67,18 @@ def test_each_model_declares_what_it_accepts(model):
     model_cls = _target("model", model)
     for contract in model_cls.implements:  # the declaration is a promise an instance keeps
         assert isinstance(_tiny(model_cls), contract), contract
+        assert missing_parameters(model_cls, contract) == [], contract
+
+
+def test_a_model_missing_a_keyword_of_its_contract_is_found():
+    from recforge.contracts import SessionModel
+
+    class Partial:  # train_step without the fast step's keyword; step with every parameter by **kwargs
+        def train_step(self, items, hidden, columns): ...
+
+        def step(self, **kwargs): ...
+
+    assert missing_parameters(Partial, SessionModel) == ["train_step(distinct_rows)", "item_weights()"]
 
 
 def _tiny(model_cls: type):

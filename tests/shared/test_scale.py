@@ -1,23 +1,19 @@
 """benchmarks/scale.py: its size-cost exponent, its memory and time measurement of a child process."""
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, benchmark_module
 
 
 @pytest.fixture(scope="module")
 def scale():
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        yield importlib.import_module("scale")
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    with benchmark_module("scale") as module:
+        yield module
 
 
 @pytest.mark.parametrize("power", [0.0, 1.0, 1.5, 2.0])

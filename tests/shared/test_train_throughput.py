@@ -1,13 +1,11 @@
 """benchmarks/train_throughput.py runs any family's experiment at both levels and reports one way."""
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 
 import pytest
-from conftest import REPO_ROOT, run_command
+from conftest import REPO_ROOT, benchmark_module, run_command
 
 TINY = "--steps 2 --windows 1 --warmup 1 --lead 1 --eval-batches 1 --threads 1"
 FAMILIES = {
@@ -21,11 +19,8 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def harness():
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        yield importlib.import_module("train_throughput")
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    with benchmark_module("train_throughput") as module:
+        yield module
 
 
 @pytest.mark.slow
@@ -48,6 +43,27 @@ def test_every_family_reports_a_positive_rate_in_its_unit_at_both_levels(unit, t
         rows_per_update = stats[f"train_{unit}_per_s"]["median"] / stats["train_updates_per_s"]["median"]
         assert 0 < rows_per_update <= report["config"]["data"]["batch_size"] * 1.01
     assert report["config"]["data"]["_target_"]  # the config used travels with the figures
+
+
+def test_evaluation_only_runs_no_update_and_reports_no_training_rate(harness, tmp_path, monkeypatch):
+    # scale.py's eval column takes its peak memory from such a run: one update would add the
+    # gradients and the optimizer's state to it
+    args = harness.parse_args(["--experiment", "dlrm_criteo_kaggle", "--override", "data=synthetic_criteo",
+                               "--override", "data.generator.n_rows=2000", "--no-train", "--windows", "2",
+                               "--eval-batches", "1", "--threads", "1", "--level", "bare", "--data-dir", str(tmp_path)])
+    cfg, _, _ = harness.compose_config(args, tmp_path)
+    monkeypatch.setattr(harness.Level, "train_window", lambda *a: pytest.fail("an update ran under --no-train"))
+    result = harness.measure(args, cfg, log=lambda message: None)
+    stats = result["levels"]["bare"]
+    assert set(stats) == {"eval_samples_per_s", "eval_batches_per_s"}
+    assert stats["eval_samples_per_s"]["min"] > 0
+    assert result["state_bytes"]["optimizer_state"] in (None, 0) and result["sampler_store"] is None
+
+
+def test_evaluation_only_without_evaluation_is_refused(harness, capsys):
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--experiment", "sasrec_ml-1m", "--no-train", "--no-eval"])
+    assert "--no-train with --no-eval measures nothing" in capsys.readouterr().err
 
 
 def _composed(harness, tmp_path, *argv):
