@@ -8,7 +8,14 @@ import warnings
 import pytest
 import torch
 
-from recforge.kernels.hstu_output import TRITON, dropout_keep, dropout_key, hstu_output, hstu_output_reference
+from recforge.kernels.hstu_output import (
+    TRITON,
+    dropout_keep,
+    dropout_keep_reference,
+    dropout_key,
+    hstu_output,
+    hstu_output_reference,
+)
 
 triton_usable = pytest.mark.skipif(
     TRITON.unusable_reason(torch.zeros(1, 1)) is not None,
@@ -62,6 +69,24 @@ def test_mask_hash_matches_python_integers() -> None:
         for flat in range(3 * 37):
             h = _lowbias32(_lowbias32(flat ^ k0) ^ k1)
             assert bool(keep.view(-1)[flat]) == ((h >> 8) >= round(0.4 * 2**24)), (seed, flat)
+
+
+@pytest.mark.parametrize("keep_fn", [dropout_keep, dropout_keep_reference], ids=["int32-chunks", "int64"])
+def test_both_mask_formulations_match_python_integers(keep_fn) -> None:
+    seed, p = 2**63 + 12345, 0.3
+    k0, k1 = dropout_key(seed)
+    keep = keep_fn(5, 29, p, seed).view(-1)
+    for flat in range(5 * 29):
+        h = _lowbias32(_lowbias32(flat ^ k0) ^ k1)
+        assert bool(keep[flat]) == ((h >> 8) >= round(p * 2**24)), flat
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (1, 2**16), (1, 2**16 + 1), (257, 255), (700, 301)])
+def test_the_cpu_mask_in_int32_chunks_is_the_int64_mask(shape) -> None:
+    # chunk boundaries (2^16), vector tails, and seeds whose keys have the int32 sign bit set
+    for seed in (0, 7, 2**32 - 1, 2**40 + 3, 2**64 - 1):
+        for p in (0.0, 0.2, 0.5, 0.99):
+            assert torch.equal(dropout_keep(*shape, p, seed), dropout_keep_reference(*shape, p, seed)), (seed, p)
 
 
 def _naive_float64(attn, u, x, weight, bias, p: float, seed: int) -> torch.Tensor:
