@@ -21,7 +21,6 @@ from omegaconf import DictConfig
 from recforge.contracts import accepted_contracts, declares
 from recforge.errors import UserInputError
 
-
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The repository's config directory (the configs the option lists in errors are read from)."""
 
@@ -132,3 +131,30 @@ def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] |
     if wanted != kind:
         refuse("evaluation", f"the model is evaluated by {wanted} but the evaluation is {kind}",
                lambda e: getattr(e, "kind", None) == wanted)
+
+
+def check_hardware(cfg: DictConfig, choices: dict[str, str] | None = None, cuda_devices: int | None = None) -> None:
+    """Refuse, in one line, a GPU run on a machine whose torch sees no GPU, or fewer GPUs than
+    ``trainer.devices`` asks for, before anything is built (Lightning would say it only when the
+    Trainer is made, after the data is read, as a wrapped ``MisconfigurationException``).
+
+    ``cuda_devices``: the GPUs visible (default: ``torch.cuda.device_count()``)."""
+    trainer = cfg.get("trainer") or {}
+    if str(trainer.get("accelerator", "auto")) not in ("gpu", "cuda"):
+        return
+    if cuda_devices is None:
+        import torch
+
+        cuda_devices = torch.cuda.device_count()
+    option = f"hardware={(choices or {}).get('hardware', '...')}"
+    if cuda_devices == 0:
+        raise UserInputError(
+            f"{option}: trainer.accelerator=gpu, but torch sees no GPU on this machine; run on the CPU "
+            "with hardware=cpu (one process) or hardware=ddp_cpu (several)"
+        )
+    wanted = trainer.get("devices", 1)
+    if isinstance(wanted, int) and wanted > cuda_devices:
+        raise UserInputError(
+            f"{option}: trainer.devices={wanted}, but torch sees {cuda_devices} GPU"
+            f"{'s' if cuda_devices != 1 else ''} here; set trainer.devices={cuda_devices} (or -1: every GPU)"
+        )

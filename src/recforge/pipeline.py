@@ -30,7 +30,12 @@ from recforge.checkpoints import (
     run_config_for,
     with_run_experiment,
 )
-from recforge.config_checks import CONF_DIR, check_combination, warn_renamed_options
+from recforge.config_checks import (
+    CONF_DIR,
+    check_combination,
+    check_hardware,
+    warn_renamed_options,
+)
 from recforge.config_values import check_config_values
 from recforge.contracts import DataModule
 from recforge.errors import UserInputError
@@ -58,6 +63,7 @@ def check_config(cfg: DictConfig) -> None:
     warn_renamed_options(_choices())
     check_config_values(cfg)
     check_combination(cfg, CONF_DIR, _choices())
+    check_hardware(cfg, _choices())
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -187,6 +193,12 @@ def _announce(cfg: DictConfig, what: str, from_run: bool = False) -> None:
     log.info("%s; run directory: %s", what, run_dir)
 
 
+def _seed(cfg: DictConfig) -> None:
+    # quietly: the seed is in the config tree printed once the run is accepted
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+
 def _silence(cfg: DictConfig) -> None:
     extras = cfg.get("extras") or {}
     if extras.get("silence_known_warnings", True):
@@ -204,9 +216,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         run_cfg = run_config_for(resume, cfg.get("run_config"))
         cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
-    _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None)
-    if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
+    _seed(cfg)
     datamodule, task = _build(cfg)
     do_fit, do_test = cfg.get("train", True), cfg.get("test", True)
     _read_inputs(datamodule, do_fit, do_test)
@@ -216,6 +226,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         _check_stops(cfg, callbacks)
     if resume is not None:
         check_resumable(task, resume, cfg, run_cfg, do_fit)
+    # every value, file and combination has passed: a refused run's one line is all it prints
+    _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, callbacks, loggers, has_validation)
@@ -257,12 +269,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     run_cfg = run_config_for(ckpt_path, cfg.get("run_config"))
     cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
-    _announce(cfg, f"testing {ckpt_path}", from_run=True)
-    if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
+    _seed(cfg)
     datamodule, task = _build(cfg)
     _read_inputs(datamodule, fit=False, test=True)
     check_weights_fit(task, load_checkpoint(ckpt_path), ckpt_path, cfg, run_cfg)
+    _announce(cfg, f"testing {ckpt_path}", from_run=True)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, [], loggers)

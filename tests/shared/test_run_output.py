@@ -23,14 +23,16 @@ def _noise(output: str) -> list[str]:
     return [n for n in NOISE if n in output]
 
 
-def test_default_run_prints_its_config_and_directory_first(tmp_path: Path):
+def test_default_run_prints_its_config_and_directory_before_training(tmp_path: Path):
     checkout = user_checkout(tmp_path / "repo")
     done = run_command("python src/train.py", cwd=checkout)
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = (checkout / "outputs" / "train" / "runs").iterdir()
     out = done.stdout
     tree = (run_dir / "config_tree.log").read_text()
-    assert out.startswith(tree) and tree.startswith("CONFIG\n")
+    # once its inputs are read and checked (a refused run prints its one line, no tree), before training
+    assert tree.startswith("CONFIG\n") and tree in out
+    assert out.index(tree) > out.index("test: ") and "Trainer.fit" not in out[: out.index(tree)]
     for section in ("data", "model", "task", "loss", "optimizer", "evaluation", "trainer"):
         assert re.search(rf"^[├└]── {section}$", tree, flags=re.M), section
     assert "hidden_size: 100" in tree

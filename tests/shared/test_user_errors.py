@@ -3,11 +3,20 @@ before any training, in one ``recforge:`` line that names the key the user set a
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import (
+    CHEAP,
+    TINY_RUN,
+    compose_config,
+    run_command,
+    shrinks_for,
+    user_checkout,
+)
 
-from conftest import CHEAP, TINY_RUN, compose_config, run_command, shrinks_for, user_checkout
 from recforge.errors import UserInputError
 from recforge.pipeline import evaluate, metric_value, train
 
@@ -61,13 +70,17 @@ def _cfg(tmp_path: Path, *overrides: str, name: str = "train", run: str = "run",
     return compose_config(name, [*cheap, *sizes, *overrides], tmp_path / run, tmp_path / "data")
 
 
-def _refused(cfg, match: str | None, fn=train) -> UserInputError:
+def _refused(cfg, match: str | None, fn=train, announced: bool = False) -> UserInputError:
+    """``announced``: the refusal comes from the Trainer's first call into the data (after the
+    config tree was printed), not from the checks before it."""
     with pytest.raises(UserInputError, match=match) as error:
         fn(cfg)
     assert "\n" not in str(error.value)
     # at start: nothing was trained or written
     run_dir = Path(cfg.paths.output_dir)
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.json").exists()
+    # nor was the config tree printed: the error is the first thing the user reads
+    assert (run_dir / "config_tree.log").exists() == announced
     return error.value
 
 
@@ -87,6 +100,7 @@ def test_too_few_sessions_for_the_loss_are_refused_before_a_step(tmp_path, files
         _cfg(tmp_path, *_rsc15(files, train="single"), "task.n_sample=0"),
         r"^data\.train_path=.*single\.txt: nothing to train on: no mini-batch has the 2 sessions of two "
         r"or more events that the loss needs",
+        announced=True,  # the loader learns the loss's batch floor from the Trainer's module
     )
 
 
@@ -227,6 +241,34 @@ def test_optimized_metric_is_only_required_by_an_optimising_sweeper(tmp_path, ca
         metric_value({"test/mrr@20": 0.5}, "val/mrr@20")
 
 
+# ---------------------------------------------------------------- hardware the machine lacks
+@pytest.mark.parametrize("hardware,visible,words", [
+    ("gpu", 0, "hardware=gpu: trainer.accelerator=gpu, but torch sees no GPU on this machine; run on the CPU with hardware=cpu"),
+    ("ddp", 0, "hardware=ddp: trainer.accelerator=gpu, but torch sees no GPU"),
+    ("ddp", 1, None),  # devices: -1 takes what there is
+    ("gpu", 1, None),
+])
+def test_a_gpu_run_on_a_machine_without_enough_gpus_is_refused_in_one_line(tmp_path, hardware, visible, words):
+    from recforge.config_checks import check_hardware
+
+    cfg = _cfg(tmp_path, f"hardware={hardware}")
+    if words is None:
+        check_hardware(cfg, {"hardware": hardware}, cuda_devices=visible)
+        return
+    with pytest.raises(UserInputError, match=words.replace("(", r"\(")) as error:
+        check_hardware(cfg, {"hardware": hardware}, cuda_devices=visible)
+    assert "\n" not in str(error.value)
+
+
+def test_more_gpus_than_the_machine_has_are_refused_naming_the_count(tmp_path):
+    from recforge.config_checks import check_hardware
+
+    cfg = _cfg(tmp_path, "hardware=gpu", "trainer.devices=4")
+    with pytest.raises(UserInputError, match=r"trainer.devices=4, but torch sees 2 GPUs here; set trainer.devices=2"):
+        check_hardware(cfg, {"hardware": "gpu"}, cuda_devices=2)
+    check_hardware(_cfg(tmp_path, "hardware=cpu"), {"hardware": "cpu"}, cuda_devices=0)  # a CPU run never asks
+
+
 # ---------------------------------------------------------------- the command line itself
 @pytest.mark.slow
 def test_errors_are_one_line_on_the_command_line(tmp_path, files):
@@ -236,11 +278,18 @@ def test_errors_are_one_line_on_the_command_line(tmp_path, files):
         (f"python src/train.py data=rsc15 data.train_path={files['single']} data.test_path={files['test']}",
          f"recforge: data.train_path={files['single']}: nothing to train on"),
         ("python src/eval.py", "recforge: ckpt_path is not set"),
+        *([("python src/train.py -m launcher=submitit_slurm",
+            "recforge: launcher=submitit_slurm submits every job to SLURM and runs only on a SLURM login node")]
+          if shutil.which("srun") is None else []),
+        *([("python src/train.py hardware=gpu", "recforge: hardware=gpu: trainer.accelerator=gpu, but torch sees no GPU")]
+          if not torch.cuda.is_available() else []),
     ]:
         done = run_command(command, cwd=checkout)
         assert done.returncode != 0, command
         assert done.stderr.strip().splitlines()[-1].startswith(line), done.stderr[-2000:]
         assert "Traceback" not in done.stderr, command
+        # the one line is all: no config tree, no seed banner before it
+        assert len((done.stdout + done.stderr).strip().splitlines()) == 1, done.stdout[-2000:] + done.stderr[-2000:]
         assert not list((checkout / "outputs").rglob("*.ckpt"))
 
 
