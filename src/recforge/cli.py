@@ -28,7 +28,17 @@ def one_line_errors(run: Callable[[], T]) -> T:
     except UserInputError as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
+        _to_log_files(f"recforge: {error}")
         raise SystemExit(f"recforge: {error}") from None
+
+
+def _to_log_files(message: str) -> None:
+    """The refusal into the run's log file (Hydra's ``<task>.log``) too, so a run directory left by
+    a refused run says why; not to the console, where the exit prints it once."""
+    record = logging.LogRecord("recforge", logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def run_data_command(run: Callable[[], T]) -> T:

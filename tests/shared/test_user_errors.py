@@ -290,6 +290,9 @@ def test_errors_are_one_line_on_the_command_line(tmp_path, files):
         assert "Traceback" not in done.stderr, command
         # the one line is all: no config tree, no seed banner before it
         assert len((done.stdout + done.stderr).strip().splitlines()) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        if " -m " not in command:  # the run directory it leaves says why it stopped
+            logs = sorted((checkout / "outputs").glob("*/runs/*/*.log"), key=lambda f: f.stat().st_mtime)
+            assert line in logs[-1].read_text(), (command, logs[-1])
         assert not list((checkout / "outputs").rglob("*.ckpt"))
 
 
