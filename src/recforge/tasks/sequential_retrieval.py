@@ -12,6 +12,7 @@ from recforge.config_values import Range
 from recforge.contracts import SEQUENCE_POSITIONS, SequenceModel, TimedSequenceModel, declares
 from recforge.data.batches import HistoryBatch
 from recforge.data.negatives import negatives_generator_seed
+from recforge.utils.step_seed import step_seed
 from recforge.evaluation import FullRanking
 from recforge.kernels.jagged import next_item_positives
 from recforge.tasks.base import RecTask
@@ -80,6 +81,12 @@ class SequentialRetrievalTask(RecTask):
         # initial weights); a checkpoint's saved position replaces it on resume
         if hasattr(self.loss, "manual_seed"):
             self.loss.manual_seed(negatives_generator_seed(self.seed, self.global_rank))
+
+    def on_train_batch_start(self, batch: HistoryBatch, batch_idx: int) -> None:
+        # dropout (and HSTU's mask-hash seeds) draw from torch's global generator, which a
+        # checkpoint does not carry and a resumed run's loaders and sanity check move: seeded per
+        # step, step t draws the same in a resumed run as in an uninterrupted one
+        torch.manual_seed(step_seed(self.seed, self.global_rank, self.global_step))
 
     def encode(self, batch: HistoryBatch) -> torch.Tensor:
         """The model's vector at every position of the batch, ``[ΣL, D]``."""
