@@ -1,8 +1,9 @@
 """Every task's public ``train_loss`` is the loss its ``training_step`` optimises.
 
 A Trainer runs one training batch and records the loss handed to ``optimize`` (with the batch and
-the global random state at that step); a twin task, built from the same seed, then computes
-``train_loss`` on that batch from that random state: the two must be equal bit for bit. The CTR
+the global random state when its step began); a twin task, built from the same seed, then computes
+``train_loss`` on that batch from that random state, after the module's own batch-start hook as the
+Trainer runs it: the two must be equal bit for bit. The CTR
 task's loss is also checked against BCE plus the embedding penalty computed here by hand.
 """
 from __future__ import annotations
@@ -57,6 +58,9 @@ def _twin_loss(cfg, batch, rng):
         twin.loss.manual_seed(negatives_generator_seed(twin.seed, 0))
     first = batch.steps[0] if hasattr(batch, "steps") else batch  # a grouped batch: its first update
     torch.set_rng_state(rng)
+    # what the Trainer runs after the callbacks' hook and before the step: the module's own
+    # (the sequential task seeds the global generator for the step there)
+    twin.on_train_batch_start(batch, 0)
     with torch.no_grad():
         return twin.train_loss(first)
 
