@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import last_json_line
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
@@ -192,13 +194,6 @@ def _env(threads: int, malloc: str) -> dict:
     return env
 
 
-def _last_json(stdout: str) -> dict:
-    for line in reversed(stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError("the child printed no JSON line:\n" + stdout[-2000:])
-
-
 def child(args, arm: str, threads: int) -> dict:
     """One arm's run in a fresh process; its samples/s per window."""
     if arm == "reference":
@@ -215,7 +210,7 @@ def child(args, arm: str, threads: int) -> dict:
     done = subprocess.run(command, cwd=REPO, env=_env(threads, args.malloc), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the {arm} arm failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    report = _last_json(done.stdout)
+    report = last_json_line(done.stdout)
     if arm == "recforge":
         report = {"arm": "recforge", "threads": threads, "load_average": report["load_average"]["end"],
                   "samples_per_s": report["levels"]["bare"]["train_samples_per_s"]["all"]}

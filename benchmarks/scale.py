@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from timing import last_json_line
+
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
@@ -232,13 +234,6 @@ def fitted_exponent(sizes: list[float], costs: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
-def _last_json(text: str) -> dict:
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise ValueError("no JSON line in the output")
-
-
 class StageFailed(RuntimeError):
     pass
 
@@ -262,7 +257,7 @@ def generate(args, raw: Path, fraction: float, env) -> dict:
     m = _check(run_measured([sys.executable, "benchmarks/fullsize_data.py", args.dataset, "--out", str(raw),
                              "--fraction", str(fraction), "--seed", str(args.seed)], env), "generation")
     result = {"seed": args.seed, "fraction": fraction, "seconds": m.seconds, "peak_bytes": m.peak_bytes,
-              "generator": _last_json(m.stdout)}
+              "generator": last_json_line(m.stdout)}
     tmp = summary.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(summary)
@@ -285,7 +280,7 @@ def _throughput(args, preset: str, prepared: Path, env, extra: list[str]) -> tup
                "--threads", str(args.threads), "--data-dir", str(args.work_dir / "train_throughput"),
                *[a for o in overrides for a in ("--override", o)], *extra]
     m = _check(run_measured(command, env), f"{preset} throughput")
-    return m, _last_json(m.stdout)
+    return m, last_json_line(m.stdout)
 
 
 def train(args, preset: str, prepared: Path, env) -> dict:

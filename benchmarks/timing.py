@@ -2,6 +2,7 @@
 per-window rates and the machine's state to report with them."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -76,3 +77,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def last_json_line(text: str) -> dict:
+    """The last line of a benchmark's output that is a JSON object (its machine-readable report)."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON line in the output:\n" + text[-2000:])

@@ -1,8 +1,9 @@
 """Popularity-based negative sampling for sampled next-item losses (GRU4Rec, spec §1.5)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from recforge.utils.seeds import derived_seed
 
 # Tags this module's random stream apart from every other use of the run's seed.
 _NEGATIVES_STREAM = 0x6E6567
@@ -16,9 +17,7 @@ def negatives_generator_seed(seed: int, stream: int = 0) -> int:
     hundred mini-batches' samples would be a function of the initial item vectors. Ranks must not
     share a stream either, nor collide with another run's seed (``seed + rank`` would).
     """
-    words = np.random.SeedSequence(int(seed), spawn_key=(_NEGATIVES_STREAM, int(stream)))
-    high, low = (int(w) for w in words.generate_state(2, dtype=np.uint32))
-    return (high << 32 | low) & 0x7FFF_FFFF_FFFF_FFFF
+    return derived_seed(seed, _NEGATIVES_STREAM, stream)
 
 
 class PopularitySampler:

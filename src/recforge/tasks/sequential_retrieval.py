@@ -12,10 +12,10 @@ from recforge.config_values import Range
 from recforge.contracts import SEQUENCE_POSITIONS, SequenceModel, TimedSequenceModel, declares
 from recforge.data.batches import HistoryBatch
 from recforge.data.negatives import negatives_generator_seed
-from recforge.utils.step_seed import step_seed
 from recforge.evaluation import FullRanking
 from recforge.kernels.jagged import next_item_positives
 from recforge.tasks.base import RecTask
+from recforge.utils.seeds import step_seed
 
 
 class SequentialRetrievalTask(RecTask):
