@@ -28,8 +28,10 @@ beforehand, which favours it).
 Both arms: ``--windows`` windows of ``--steps`` timed steps after ``--lead`` untimed ones and an
 untimed warm-up of ``--warmup`` steps; min and median samples/s over the windows; every
 ``--threads`` value, ``--rounds`` times, alternating arm by arm; the same environment, including
-glibc's allocator settings (``--malloc tuned`` sets ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` for both arms, issue 22; ``default`` leaves them unset).
+glibc's allocator settings, the same for both arms (issue 22): ``--malloc keep`` sets
+``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` in both processes' environment to what
+recforge's default ``extras.malloc=keep`` sets, ``default`` leaves glibc's defaults; the recforge
+arm runs with ``extras.malloc=default`` so that the environment decides for it too.
 
     git -C /work/.mirror/facebookresearch+dlrm/repo archive 090956e | tar -x -C /tmp/dlrm
     python benchmarks/dlrm_reference.py --reference-dir /tmp/dlrm --threads 1,2 --rounds 2
@@ -50,9 +52,11 @@ from pathlib import Path
 
 from timing import last_json_line
 
+from recforge.utils.allocator import USER_VARIABLES, keep_environment
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+KEEP_MALLOC = keep_environment()
 EXPERIMENT = "dlrm_criteo_kaggle"
 
 
@@ -70,8 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lead", type=int, default=2, help="untimed steps at the start of every window")
     p.add_argument("--warmup", type=int, default=10, help="steps of the untimed warm-up window")
     p.add_argument("--batches", type=int, default=64, help="pre-made batches the reference arm cycles")
-    p.add_argument("--malloc", choices=("default", "tuned"), default="default",
-                   help="glibc allocator settings for both arms (tuned: the thresholds of issue 22)")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="glibc allocator settings for both arms: keep (recforge's default extras.malloc=keep, "
+                        "set through the environment) or glibc's defaults (default: keep)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for both arms' data and model (e.g. data.generator.n_rows=...)")
     p.add_argument("--data-dir", default=str(REPO / "data" / "bench"), help="where the stand-in rows are kept")
@@ -186,9 +191,9 @@ def run_reference(args, threads: int) -> dict:
 
 # ----------------------------------------------------------------------------- the parent
 def _env(threads: int, malloc: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in TUNED_MALLOC}
-    if malloc == "tuned":
-        env.update(TUNED_MALLOC)
+    env = {k: v for k, v in os.environ.items() if k not in USER_VARIABLES}
+    if malloc == "keep":
+        env.update(KEEP_MALLOC)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
     return env
@@ -205,7 +210,7 @@ def child(args, arm: str, threads: int) -> dict:
         command = [sys.executable, str(HERE / "train_throughput.py"), "--experiment", EXPERIMENT, "--level", "bare",
                    "--no-eval", "--threads", str(threads), "--batch-size", str(args.batch_size),
                    "--windows", str(args.windows), "--steps", str(args.steps), "--lead", str(args.lead),
-                   "--warmup", str(args.warmup)]
+                   "--warmup", str(args.warmup), "--override", "extras.malloc=default"]
     command += ["--data-dir", args.data_dir, *[a for o in args.override for a in ("--override", o)]]
     done = subprocess.run(command, cwd=REPO, env=_env(threads, args.malloc), capture_output=True, text=True)
     if done.returncode != 0:

@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     from train_throughput import compose_config
 
     from recforge.pipeline import build
+    from recforge.utils.allocator import apply_malloc_policy
     from recforge.utils.quiet import silence_known_noise
 
     torch.set_num_threads(args.threads)
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
                                       override=generated + sized + args.override, data_dir=args.data_dir)
     with tempfile.TemporaryDirectory(prefix="recforge-evalsize-") as tmp:
         cfg, overrides, _ = compose_config(compose_args, Path(tmp))
+        print(f"# {apply_malloc_policy(cfg.extras.malloc)}", flush=True)  # as a run does (extras.malloc)
         started = time.perf_counter()
         datamodule, task = build(cfg)
         datamodule.setup("test")

@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from recforge.utils.allocator import USER_VARIABLES, keep_environment
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OFFICIAL_URL = "https://github.com/hidasib/GRU4Rec_PyTorch_Official"
 SAMPLE = REPO_ROOT.parent / "shared" / "data" / "yoochoose"
@@ -69,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--epochs", type=int, default=10, help="the presets' 10 unless set")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="glibc allocator settings for every arm: keep (recforge's default extras.malloc=keep, set "
+                        "through the environment) or glibc's defaults (default: keep)")
     p.add_argument("--work-dir", type=Path, default=None, help="run folders (default: a temporary dir)")
     p.add_argument("--json", type=Path, default=None, help="also write every run as JSON here")
     args = p.parse_args(argv)
@@ -101,8 +106,12 @@ def prepare_official(source: Path, dest: Path) -> Path:
     return dest
 
 
-def _env(threads: int) -> dict:
-    env = dict(os.environ)
+def _env(threads: int, malloc: str) -> dict:
+    # the same allocator for both arms (issue 22): recforge runs with extras.malloc=default, so
+    # the environment decides for it as for the official code
+    env = {k: v for k, v in os.environ.items() if k not in USER_VARIABLES}
+    if malloc == "keep":
+        env.update(keep_environment())
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
     return env
@@ -118,7 +127,7 @@ def run_official(args, tree: Path, config: str, seed: int, out: Path) -> dict:
         "runpy.run_path('run.py', run_name='__main__')\n"
     )
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", driver], cwd=tree, env=_env(args.threads),
+    proc = subprocess.run([sys.executable, "-c", driver], cwd=tree, env=_env(args.threads, args.malloc),
                           capture_output=True, text=True)
     wall = time.perf_counter() - start
     (out / "official.log").write_text(proc.stdout + proc.stderr)
@@ -135,10 +144,10 @@ def run_recforge(args, arm: str, config: str, seed: int, out: Path) -> dict:
         sys.executable, "src/train.py", f"experiment=gru4rec_rsc15_{config}",
         f"data.train_path={args.train}", f"data.test_path={args.test}", f"seed={seed}",
         f"trainer.max_epochs={args.epochs}", f"task.fast_step={str(arm == 'fast').lower()}",
-        "logger=csv", "extras.print_config=false", f"hydra.run.dir={out}",
+        "logger=csv", "extras.print_config=false", "extras.malloc=default", f"hydra.run.dir={out}",
     ]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(args.threads), capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(args.threads, args.malloc), capture_output=True, text=True)
     wall = time.perf_counter() - start
     (out / "recforge.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             mrrs = ", ".join(f"{r['mrr@20']:.4f}" for r in mine)
             print(f"| {config} | {arm} | {walls} | {medians[arm]:.1f} | {ratio} | {recalls} | {mrrs} |")
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "epochs": args.epochs, "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"threads": args.threads, "malloc": args.malloc, "epochs": args.epochs, "runs": runs}, indent=1))
     return 0
 
 

@@ -111,6 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--movies", type=Path, default=None,
                    help="ml-1m movies.dat, the catalogue (default: next to the ratings)")
     p.add_argument("--seed", type=int, default=0, help="torch seed and batch order (default 0)")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="glibc allocator settings: keep (what recforge's runs set by default, extras.malloc=keep) "
+                        "or glibc's defaults; give train_throughput.py the same (--override extras.malloc=...)")
     args = p.parse_args(argv)
     for name in ("windows", "steps", "threads", "batch_size", "eval_batch_size"):
         if getattr(args, name) < 1:
@@ -365,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     from timing import cpu_model, load_average, summary
 
     torch.set_num_threads(args.threads)
+    # the allocator recforge's runs have by default (extras.malloc), or glibc's defaults: compare
+    # with train_throughput.py under the same setting (issue 22)
+    from recforge.utils.allocator import apply_malloc_policy
+
+    malloc = apply_malloc_policy(args.malloc)
+    print(f"# {malloc}", flush=True)
     registered = register_fbgemm_jagged_ops()
     check_fbgemm_jagged_ops()
 
@@ -572,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "hstu_reference", "config": args.config,
         "reference": {"dir": str(ref), "layout": prefix, "commit": commit, "code_sha256": fingerprint,
                       "fbgemm_ops_in_pytorch": registered},
-        "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "threads": args.threads, "malloc": malloc, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "torch": torch.__version__, "cpu": cpu_model(),
         "load_average": {"start": load_start, "end": load_end},
         "windows": args.windows, "steps": args.steps, "warmup": args.warmup,

@@ -436,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     from timing import cpu_model, load_average
 
     from recforge.errors import UserInputError
+    from recforge.utils.allocator import apply_malloc_policy
     from recforge.utils.quiet import silence_known_noise
 
     torch.set_num_threads(args.threads)
@@ -450,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="recforge-bench-") as tmp:
         cfg, overrides, data = compose_config(args, Path(tmp))
         log(f"# train_throughput {args.experiment} (data: {data}); overrides: {' '.join(overrides)}")
+        # as a run does (extras.malloc; --override extras.malloc=default for glibc's defaults)
+        malloc = apply_malloc_policy(cfg.extras.malloc)
+        log(f"# {malloc}")
         log(f"# torch {torch.__version__}, lightning {L.__version__}, {args.device}, {torch.get_num_threads()} "
             f"threads (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}); CPU {cpu_model()}; "
             f"load average {load_start}")
@@ -470,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "benchmark": "train_throughput", "experiment": args.experiment, "overrides": overrides, "data": data,
         "device": args.device, "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "malloc": malloc,
         "torch": torch.__version__, "lightning": L.__version__, "cpu": cpu_model(),
         "load_average": {"start": load_start, "end": load_end}, "windows": args.windows, "lead": args.lead,
         "warmup": None if args.no_train else args.warmup, "trained": not args.no_train,

@@ -40,6 +40,7 @@ from recforge.config_values import check_config_values
 from recforge.contracts import DataModule
 from recforge.errors import UserInputError
 from recforge.runs import write_metrics
+from recforge.utils.allocator import apply_malloc_policy
 from recforge.utils.atomic import atomic_write_text
 from recforge.utils.config_tree import print_config_tree
 from recforge.utils.quiet import silence_known_noise
@@ -176,7 +177,7 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 @rank_zero_only
-def _announce(cfg: DictConfig, what: str, from_run: bool = False) -> None:
+def _announce(cfg: DictConfig, what: str, from_run: bool = False, malloc: str | None = None) -> None:
     """At start: the config tree and where this run writes.
 
     ``from_run``: the config took sections from a checkpoint's run (resume, eval), so the one
@@ -190,6 +191,8 @@ def _announce(cfg: DictConfig, what: str, from_run: bool = False) -> None:
         saved = run_dir / HydraConfig.get().output_subdir / "config.yaml"
         if saved.is_file():
             atomic_write_text(saved, OmegaConf.to_yaml(cfg))
+    if malloc:
+        log.info(malloc)
     log.info("%s; run directory: %s", what, run_dir)
 
 
@@ -197,6 +200,12 @@ def _seed(cfg: DictConfig) -> None:
     # quietly: the seed is in the config tree printed once the run is accepted
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+
+def _malloc(cfg: DictConfig) -> str:
+    # before the data and the model are built: their allocations are the first large ones
+    extras = cfg.get("extras") or {}
+    return apply_malloc_policy(extras.get("malloc", "keep"))
 
 
 def _silence(cfg: DictConfig) -> None:
@@ -216,6 +225,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         run_cfg = run_config_for(resume, cfg.get("run_config"))
         cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
+    malloc = _malloc(cfg)
     _seed(cfg)
     datamodule, task = _build(cfg)
     do_fit, do_test = cfg.get("train", True), cfg.get("test", True)
@@ -227,7 +237,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if resume is not None:
         check_resumable(task, resume, cfg, run_cfg, do_fit)
     # every value, file and combination has passed: a refused run's one line is all it prints
-    _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None)
+    _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None, malloc=malloc)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, callbacks, loggers, has_validation)
@@ -269,11 +279,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     run_cfg = run_config_for(ckpt_path, cfg.get("run_config"))
     cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
+    malloc = _malloc(cfg)
     _seed(cfg)
     datamodule, task = _build(cfg)
     _read_inputs(datamodule, fit=False, test=True)
     check_weights_fit(task, load_checkpoint(ckpt_path), ckpt_path, cfg, run_cfg)
-    _announce(cfg, f"testing {ckpt_path}", from_run=True)
+    _announce(cfg, f"testing {ckpt_path}", from_run=True, malloc=malloc)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, [], loggers)

@@ -2,12 +2,15 @@
 at start, no known library noise, a project --help, and the README's examples of errors verbatim."""
 from __future__ import annotations
 
+import os
+import platform
 import re
 from pathlib import Path
 
 import pytest
 
 from conftest import TINY_RUN, run_command, user_checkout
+from recforge.utils.allocator import USER_VARIABLES
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +42,10 @@ def test_default_run_prints_its_config_and_directory_before_training(tmp_path: P
     everything = out + done.stderr
     said = everything.index(f"training; run directory: {run_dir}")
     assert said < everything.index("Trainer.fit")  # at start, not only in the last line
+    if platform.libc_ver()[0] == "glibc" and not set(USER_VARIABLES) & set(os.environ):
+        # extras.malloc=keep by default, said once, with how to turn it off
+        assert everything.count("malloc: freed memory kept for reuse") == 1
+        assert everything.index("malloc: freed memory kept for reuse") < said
     assert not _noise(everything), _noise(everything)
     assert (run_dir / "metrics.json").exists()
 
