@@ -14,7 +14,7 @@ set -uo pipefail
 out=${1:-${OUT:-outputs/gpu_check}}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-steps=" ${STEPS:-1 2 3 4 5 6} "
+steps=" ${STEPS:-1 2 3 4 5 6 7} "
 run_step() { [[ $steps == *" $1 "* ]]; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline
 if compgen -G "wheels/*" > /dev/null; then
@@ -70,4 +70,13 @@ run_step 6 && for kernel in pytorch triton; do
   timeout 200 "$py" benchmarks/train_throughput.py --experiment dlrm_criteo_kaggle --level bare --no-eval \
     --device cuda --threads 4 --batch-size 2048 --override model.dot_interaction.kernel=$kernel \
     2>&1 | grep -v '^{' | tee "$out/dlrm_throughput_$kernel.txt"
+done
+# 7. DLRM with its tables split (issue 19) on the one GPU: hardware=model_parallel over NCCL with a
+# mesh of one process (what a node of GPUs runs, at world 1): train, save a distributed checkpoint,
+# test it; then the same run on the CPU path, for the metrics to compare
+run_step 7 && for hw in "hardware=model_parallel trainer.devices=1 trainer.strategy.tensor_parallel_size=1" \
+    "hardware=model_parallel_cpu trainer.devices=1 trainer.strategy.tensor_parallel_size=1"; do
+  timeout 240 "$py" src/train.py model=dlrm $hw model.lazy_tables=true optimizer=rowwise_adagrad \
+    data.generator.n_rows=200000 data.batch_size=2048 trainer.max_epochs=1 paths.log_dir="$out/sharded" \
+    2>&1 | grep -E "test/|Error|error" | tee -a "$out/dlrm_sharded.txt"
 done

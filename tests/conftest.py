@@ -72,6 +72,27 @@ class SaveCheckpointAt:
         return _SaveAt()
 
 
+class SaveRankParameters:
+    """A Lightning callback (``+callbacks.dump._target_=conftest.SaveRankParameters``) that saves,
+    when training ends, each rank's parameters as that rank holds them (a sharded table's local
+    rows, with their place in the whole: ``<name>.rows``) to ``<path>/rank<r>.pt``."""
+
+    def __new__(cls, path: str):
+        import lightning as L
+        import torch
+
+        class _Save(L.Callback):
+            def on_train_end(self, trainer, pl_module) -> None:
+                state = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+                for name, module in pl_module.named_modules():
+                    if hasattr(module, "start") and hasattr(module, "end"):  # RowShardedEmbedding
+                        state[f"{name}.weight.rows"] = (module.start, module.end)
+                Path(path).mkdir(parents=True, exist_ok=True)
+                torch.save(state, Path(path) / f"rank{trainer.global_rank}.pt")
+
+        return _Save()
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
     """The real data samples (``shared/data`` next to the repo, or ``$RECFORGE_SHARED_DATA``)."""

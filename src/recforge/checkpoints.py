@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recforge.callbacks.run_config import RunConfigInCheckpoint
 from recforge.errors import UserInputError
+from recforge.utils.atomic import atomic_torch_save
 
 # Config sections that describe the experiment itself: restored from the run for resume and eval.
 EXPERIMENT_KEYS = ("data", "model", "task", "optimizer", "loss", "evaluation")
@@ -35,15 +36,59 @@ def checkpoint_path(cfg: DictConfig) -> Path | None:
     if cfg.get("ckpt_path") is None:
         return None
     path = Path(str(cfg.ckpt_path))
-    if not path.is_file():
+    if not path.is_file() and not is_distributed_checkpoint(path):
         what = "is a directory, not a checkpoint file" if path.is_dir() else "does not exist"
         raise CheckpointError(f"ckpt_path={path} {what}")
     return path
 
 
+def is_distributed_checkpoint(path: Path) -> bool:
+    """A checkpoint of ``hardware=model_parallel*``: a directory of per-rank files (torch.distributed.
+    checkpoint's ``.metadata`` and ``.distcp``) with Lightning's ``meta.pt``."""
+    return path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+
+
+def _distributed_contents(path: Path) -> dict[str, Any]:
+    """Lightning's metadata of a distributed checkpoint, with its weights as shapes only
+    (meta-device tensors): what the checks before a run read, without reading any rows."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    contents = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    contents["state_dict"] = {
+        key[len("state_dict."):]: torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
+        for key, entry in stored.items()
+        if key.startswith("state_dict.") and isinstance(entry, TensorStorageMetadata)
+    }
+    return contents
+
+
+def consolidate_checkpoint(path: Path, out: Path) -> Path:
+    """A distributed checkpoint's weights and Lightning metadata as one single-process checkpoint
+    file at ``out`` (every sharded table whole, in memory once): what a run with one process and no
+    device mesh (``src/eval.py`` under ``hardware=cpu``) can load. No optimizer state."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    weights: dict[str, Any] = {}
+    # no process group: one process reads every rank's files (torch's dcp_to_torch_save does the
+    # same for the whole checkpoint; only the weights are read here)
+    _load_state_dict(weights, storage_reader=FileSystemReader(str(path)), no_dist=True,
+                     planner=_EmptyStateDictLoadPlanner(keys={"state_dict"}))
+    checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = weights["state_dict"]
+    atomic_torch_save(checkpoint, out)
+    return out
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint's contents, tensors memory-mapped where the file allows it (no copy of
-    large item tables just to look at their shapes)."""
+    large item tables just to look at their shapes); a distributed checkpoint's weights as
+    shapes only."""
+    if is_distributed_checkpoint(path):
+        return _distributed_contents(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:

@@ -133,6 +133,44 @@ def check_combination(cfg: DictConfig, conf_dir: Path, choices: dict[str, str] |
                lambda e: getattr(e, "kind", None) == wanted)
 
 
+def uses_device_mesh(cfg: DictConfig) -> bool:
+    """Whether the run's strategy is Lightning's ``ModelParallelStrategy`` (or a subclass): processes
+    on a device mesh, tables sharded (``hardware=model_parallel*``)."""
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    if not (isinstance(strategy, DictConfig) and "_target_" in strategy):
+        return False
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return issubclass(get_class(strategy["_target_"]), ModelParallelStrategy)
+
+
+def _check_mesh(cfg: DictConfig, choices: dict[str, str] | None) -> None:
+    """``hardware=model_parallel*``: the model must have tables to shard, and the mesh must be the
+    processes: ``devices = data_parallel_size x tensor_parallel_size`` (Lightning says so only once
+    the processes are up, as a traceback from each)."""
+    if not uses_device_mesh(cfg):
+        return
+    trainer = cfg.get("trainer") or {}
+    strategy = trainer.get("strategy")
+    option = f"hardware={(choices or {}).get('hardware', '...')}"
+    task = cfg.get("task") or {}
+    contract = getattr(get_class(task["_target_"]), "model_contract", None) if "_target_" in task else None
+    if not hasattr(contract, "shard_tables"):  # the contract a task drives declares it (CTRModel)
+        model = (choices or {}).get("model", "...")
+        raise UserInputError(f"{option} splits DLRM's embedding tables across processes; model={model} "
+                             "has none to split: use hardware=ddp_cpu or hardware=ddp")
+    dp, tp, devices = (strategy.get("data_parallel_size", "auto"), strategy.get("tensor_parallel_size", "auto"),
+                       trainer.get("devices", 1))
+    nodes = trainer.get("num_nodes", 1)
+    if (nodes if dp == "auto" else dp) != 1:
+        raise UserInputError(f"{option}: a data-parallel size of {nodes if dp == 'auto' else dp} (trainer.strategy."
+                             "data_parallel_size, auto: the nodes): only 1 is supported so far (every process "
+                             "splits the tables and reads the same batches)")
+    if isinstance(tp, int) and isinstance(devices, int) and devices > 0 and tp != devices * nodes:
+        raise UserInputError(f"{option}: trainer.devices={devices} cannot form a mesh of data_parallel_size=1 x "
+                             f"tensor_parallel_size={tp}; set trainer.strategy.tensor_parallel_size={devices * nodes}")
+
+
 def check_hardware(cfg: DictConfig, choices: dict[str, str] | None = None, cuda_devices: int | None = None) -> None:
     """Refuse, in one line, a GPU run on a machine whose torch sees no GPU, or fewer GPUs than
     ``trainer.devices`` asks for, before anything is built (Lightning would say it only when the
@@ -140,6 +178,7 @@ def check_hardware(cfg: DictConfig, choices: dict[str, str] | None = None, cuda_
 
     ``cuda_devices``: the GPUs visible (default: ``torch.cuda.device_count()``)."""
     trainer = cfg.get("trainer") or {}
+    _check_mesh(cfg, choices)
     if str(trainer.get("accelerator", "auto")) not in ("gpu", "cuda"):
         return
     if cuda_devices is None:

@@ -224,12 +224,17 @@ class CTRModel(Protocol):
     takes them pools each bag).
     ``sparse_parameters()``: the embedding tables' parameters (the optimiser may treat them
     apart: sparse gradients, row-wise Adagrad).
+    ``shard_tables(mesh)``: split the tables' rows across a 1-D device mesh (None: keep them
+    whole); called once the processes and the mesh exist (the task's ``configure_model``),
+    idempotent.
     """
 
     @property
     def param_dtype(self) -> torch.dtype: ...
 
     def sparse_parameters(self) -> list[torch.nn.Parameter]: ...
+
+    def shard_tables(self, mesh: Any) -> None: ...
 
     def __call__(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor: ...
 
@@ -244,6 +249,8 @@ class Evaluation(Protocol):
     ``compute_and_reset(split) -> {"<split>/<name>": scalar}`` over the whole split (reduced
     across DDP ranks), then cleared. ``logged_names()``: every name it logs, for both splits.
     ``monitor``: the logged name that checkpointing, early stopping and sweeps follow, or None.
+    ``reduce_over(group)``: reduce across that process group instead of every rank (the
+    data-parallel ranks, where a table-sharding group's ranks see the same rows).
     """
 
     kind: str
@@ -254,6 +261,8 @@ class Evaluation(Protocol):
     def compute_and_reset(self, split: str) -> dict[str, torch.Tensor]: ...
 
     def logged_names(self) -> list[str]: ...
+
+    def reduce_over(self, group: Any) -> None: ...
 
 
 def accepted_contracts(task_or_cls: Any) -> tuple[Any, ...]:

@@ -26,6 +26,8 @@ from recforge.checkpoints import (
     check_resumable,
     check_weights_fit,
     checkpoint_path,
+    consolidate_checkpoint,
+    is_distributed_checkpoint,
     load_checkpoint,
     run_config_for,
     with_run_experiment,
@@ -34,6 +36,7 @@ from recforge.config_checks import (
     CONF_DIR,
     check_combination,
     check_hardware,
+    uses_device_mesh,
     warn_renamed_options,
 )
 from recforge.config_values import check_config_values
@@ -225,6 +228,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         run_cfg = run_config_for(resume, cfg.get("run_config"))
         cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
+    if resume is not None and is_distributed_checkpoint(resume) and not uses_device_mesh(cfg):
+        raise UserInputError(
+            f"ckpt_path={resume} is a distributed checkpoint (hardware=model_parallel*): resume it under "
+            "hardware=model_parallel_cpu or model_parallel, with trainer.devices=1 "
+            "trainer.strategy.tensor_parallel_size=1 for one process"
+        )
     malloc = _malloc(cfg)
     _seed(cfg)
     datamodule, task = _build(cfg)
@@ -285,6 +294,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     _read_inputs(datamodule, fit=False, test=True)
     check_weights_fit(task, load_checkpoint(ckpt_path), ckpt_path, cfg, run_cfg)
     _announce(cfg, f"testing {ckpt_path}", from_run=True, malloc=malloc)
+    if is_distributed_checkpoint(ckpt_path) and not uses_device_mesh(cfg):
+        # one process without a mesh reads a sharded run's checkpoint as one file, tables whole
+        ckpt_path = consolidate_checkpoint(ckpt_path, output_dir(cfg) / "checkpoints" / f"{ckpt_path.name}.whole")
+        log.info("read the distributed checkpoint into %s", ckpt_path)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, [], loggers)

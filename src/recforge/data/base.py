@@ -45,10 +45,18 @@ class RecDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------- the trainer's view
     def rank_and_world(self) -> tuple[int, int]:
-        """This process's rank and the number of ranks (0 of 1 without a trainer)."""
+        """This process's data-parallel rank and the number of data-parallel ranks (0 of 1
+        without a trainer): which share of the data it reads.
+
+        Under DDP every process is a data-parallel rank. Under ``hardware=model_parallel*`` the
+        processes of one table-sharding group read the same batches (they split the tables, not
+        the data), so the share is the one Lightning's strategy gives samplers."""
         trainer = self.trainer
         if trainer is None:
             return 0, 1
+        if isinstance(trainer, L.Trainer) and trainer.distributed_sampler_kwargs is not None:
+            share = trainer.distributed_sampler_kwargs
+            return int(share["rank"]), int(share["num_replicas"])
         return trainer.global_rank, trainer.world_size
 
     def fit_progress(self) -> tuple[int, int] | None:

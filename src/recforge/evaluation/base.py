@@ -4,6 +4,7 @@ validation sample's own state and the routing of each batch's rows to it and to 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +53,13 @@ class SplitEvaluation(nn.Module):
 
     def check_monitor(self, monitor: str) -> None:
         """Refuse a logged metric that cannot be followed (none refused here)."""
+
+    def reduce_over(self, group: Any) -> None:
+        """Reduce the metric states across ``group`` (a process group) instead of every rank:
+        where several ranks see the same rows (a table-sharding group), over the data-parallel
+        ranks only, so that each row counts once."""
+        for metrics in self.splits.values():
+            metrics.process_group = group
 
     def logged_names(self) -> list[str]:
         """Every metric name this evaluation logs (``val/recall@20``, ``test/auc``, ...); with a

@@ -27,10 +27,12 @@ from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from recforge.config_values import Range
 from recforge.contracts import CTRModel
 from recforge.data.batches import SparseBags
+from recforge.distributed.sharded_table import RowShardedEmbedding
 from recforge.errors import UserInputError
 from recforge.kernels.dot_interaction import dot_interaction, interaction_width
 from recforge.kernels.twin import KernelChoice, KernelImpl, check_kernel, kernel_of
@@ -151,15 +153,21 @@ class SparseArch(nn.Module):
     """
 
     def __init__(
-        self, cardinalities: Sequence[int], embedding_dim: int, sparse_gradients: bool = True
+        self, cardinalities: Sequence[int], embedding_dim: int, sparse_gradients: bool = True,
+        lazy: bool = False,
     ) -> None:
         super().__init__()
         self.cardinalities = [int(c) for c in cardinalities]
         self.embedding_dim = int(embedding_dim)
+        # ``lazy``: the rows are drawn in :meth:`shard_rows`, each rank drawing only its own, so
+        # that no process ever holds the whole table; until then the weight is on the meta
+        # device (no memory) and this generator state is where the draws start
+        self._draw_from: torch.Tensor | None = torch.get_rng_state() if lazy else None
         # an uninitialised weight: Embedding's own N(0, 1) draw would be overwritten at once, and
         # on Kaggle-sized tables (33.8M rows) it costs as much as the draw that stays
-        weight = torch.empty(sum(self.cardinalities), self.embedding_dim)
-        self.embedding = nn.Embedding(*weight.shape, sparse=sparse_gradients, _weight=weight)
+        weight = torch.empty(sum(self.cardinalities), self.embedding_dim, device="meta" if lazy else None)
+        self.embedding: nn.Embedding | RowShardedEmbedding = nn.Embedding(
+            *weight.shape, sparse=sparse_gradients, _weight=weight)
         starts = [0]
         for c in self.cardinalities[:-1]:
             starts.append(starts[-1] + c)
@@ -175,16 +183,78 @@ class SparseArch(nn.Module):
         """Whether the table gets sparse gradients (what the task's optimizer check reads)."""
         return self.embedding.sparse
 
+    @property
+    def is_sharded(self) -> bool:
+        return isinstance(self.embedding, RowShardedEmbedding)
+
     def table(self, feature: int) -> torch.Tensor:
-        """Feature ``feature``'s table, a view ``[cardinalities[feature], d]`` of the weight."""
+        """Feature ``feature``'s table, a view ``[cardinalities[feature], d]`` of the weight
+        (of a table that is not sharded)."""
+        if self.is_sharded or self._draw_from is not None:
+            raise ValueError("a sharded table, or a lazy one not drawn yet, has no whole view of a feature's rows")
         start = sum(self.cardinalities[:feature])
         return self.embedding.weight[start:start + self.cardinalities[feature]]
 
     def reset_parameters(self) -> None:
+        if self._draw_from is not None:
+            # what the draws below would take from the generator, taken now (blocks, no table)
+            self._draw_rows(0, 0, None, None)
+            return
+        if self.is_sharded:
+            self._draw_rows(self.embedding.start, self.embedding.end, self.embedding.weight, None)
+            return
         with torch.no_grad():
             for f, rows in enumerate(self.cardinalities):
                 bound = math.sqrt(1.0 / rows)
                 self.table(f).uniform_(-bound, bound)
+
+    _DRAW_BLOCK = 1 << 16  # rows per block of the streamed draws
+
+    @torch.no_grad()
+    def _draw_rows(self, start: int, end: int, out: torch.Tensor | None, generator: torch.Generator | None) -> None:
+        """The draws of :meth:`reset_parameters` (feature by feature, every row in order), made
+        block by block; rows ``[start, end)`` of the whole go into ``out``. A uniform draw on the
+        CPU takes its values in element order, so the blocks give the unsharded draw's values
+        (tests/dlrm/test_dlrm_sharded.py checks it)."""
+        first = 0
+        for rows in self.cardinalities:
+            bound = math.sqrt(1.0 / rows)
+            for block_start in range(first, first + rows, self._DRAW_BLOCK):
+                n = min(self._DRAW_BLOCK, first + rows - block_start)
+                block = torch.empty(n, self.embedding_dim).uniform_(-bound, bound, generator=generator)
+                lo, hi = max(block_start, start), min(block_start + n, end)
+                if out is not None and lo < hi:
+                    out[lo - start:hi - start].copy_(block[lo - block_start:hi - block_start])
+            first += rows
+
+    def shard_rows(self, mesh: DeviceMesh | None) -> None:
+        """Split the table's rows across ``mesh`` (1-D): this rank keeps
+        :func:`recforge.distributed.sharded_table.row_range` of them, and its lookups gather the
+        others' (see :class:`RowShardedEmbedding`). ``None``: no split, but a ``lazy`` table is
+        drawn whole here. Either way the values are those of the unsharded table
+        at construction. Idempotent (Lightning calls ``configure_model`` once per stage)."""
+        if self.is_sharded:
+            if mesh is not None and mesh == self.embedding.mesh:
+                return
+            raise ValueError("the table is sharded over another mesh already")
+        generator = None
+        if self._draw_from is not None:
+            generator = torch.Generator()
+            generator.set_state(self._draw_from)
+        if mesh is None:
+            if generator is not None:
+                weight = torch.empty(sum(self.cardinalities), self.embedding_dim)
+                self._draw_rows(0, weight.shape[0], weight, generator)
+                self.embedding = nn.Embedding(*weight.shape, sparse=self.embedding.sparse, _weight=weight)
+                self._draw_from = None
+            return
+        sharded = RowShardedEmbedding(sum(self.cardinalities), self.embedding_dim, mesh, sparse=self.embedding.sparse)
+        if generator is not None:
+            self._draw_rows(sharded.start, sharded.end, sharded.weight.data, generator)
+        else:
+            with torch.no_grad():
+                sharded.weight.copy_(self.embedding.weight[sharded.start:sharded.end])
+        self.embedding, self._draw_from = sharded, None
 
     @staticmethod
     def _check_inside(inside: torch.Tensor, message: Callable[[torch.Tensor], str]) -> None:
@@ -217,9 +287,14 @@ class SparseArch(nn.Module):
         ``sparse[b, f]``. Or :class:`SparseBags` of ``F_e`` features for B rows -> ``[B, F_e, d]``:
         row b, feature f is the sum of feature f's rows in that bag (zeros for an empty bag), one
         ``embedding_bag`` over the whole table."""
+        if self._draw_from is not None:
+            raise RuntimeError("a lazy table is drawn in shard_rows (the task's configure_model) first")
         if not isinstance(sparse, SparseBags):
             self._check_ids(sparse)
             return self.embedding(sparse + self.offsets)
+        if self.is_sharded:
+            raise ValueError("multi-hot bags (SparseBags) on a sharded table: not supported; "
+                             "one id per feature only")
         n_features, batch = sparse.n_features, sparse.batch_size
         per_feature = sparse.offsets[torch.arange(1, n_features + 1, device=sparse.offsets.device) * batch] - \
             sparse.offsets[torch.arange(n_features, device=sparse.offsets.device) * batch]
@@ -435,6 +510,11 @@ class DLRM(nn.Module):
             kernel; falls back to PyTorch with one warning where Triton cannot run).
         dcn_layers, dcn_rank: ``dcnv2`` only: cross layers and their rank.
         sparse_gradients: sparse COO gradients for the tables (needs a sparse-capable optimizer).
+        lazy_tables: the tables' rows are drawn in :meth:`shard_tables` (the task's
+            ``configure_model``), where each rank of a ``hardware=model_parallel*`` run draws only
+            the rows it keeps: no process ever holds a whole table (until then the weight is on
+            the meta device). The values are those of an eager build. Without it, every process
+            draws the whole tables at build and a sharded run keeps its rows of them.
         compile: run the dense computation (both MLPs and the interaction) through
             ``torch.compile``; the table lookup stays eager (sparse gradients).
         interaction_kernel: the deprecated spelling of ``dot_interaction["kernel"]``, read (with a
@@ -465,6 +545,7 @@ class DLRM(nn.Module):
         dcn_layers: Annotated[int, Range(ge=1)] = 3,
         dcn_rank: Annotated[int, Range(ge=1)] = 512,
         sparse_gradients: bool = True,
+        lazy_tables: bool = False,
         compile: bool = False,
         interaction_kernel: KernelImpl | None = None,
     ) -> None:
@@ -500,7 +581,8 @@ class DLRM(nn.Module):
         self.compile_dense = bool(compile)
 
         self.dense_arch = DenseArch(n_dense, [*hidden_bottom, embedding_dim], dense_bn, dense_p)
-        self.sparse_arch = SparseArch(cards, embedding_dim, sparse_gradients=bool(sparse_gradients))
+        self.sparse_arch = SparseArch(cards, embedding_dim, sparse_gradients=bool(sparse_gradients),
+                                      lazy=_flag("lazy_tables", lazy_tables))
         if interaction == "dot":
             self.interaction: nn.Module = DotInteraction(
                 embedding_dim, len(cards), interaction_itself, kernel
@@ -519,6 +601,10 @@ class DLRM(nn.Module):
     @property
     def param_dtype(self) -> torch.dtype:
         return self.over_arch.mlp[0].weight.dtype
+
+    def shard_tables(self, mesh: DeviceMesh | None) -> None:
+        """Split the tables' rows across ``mesh`` (1-D; None: no split), see :meth:`SparseArch.shard_rows`."""
+        self.sparse_arch.shard_rows(mesh)
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         """The embedding table (one parameter holding every feature's rows)."""

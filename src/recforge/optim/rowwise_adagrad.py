@@ -46,7 +46,8 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         weight_decay_mode: ``l2`` (λ·θ joins the gradient, accumulator included) or ``decoupled``
             (θ shrinks by lr·λ, the accumulator sees the raw gradient), FBGEMM's modes 1 and 2.
 
-    State per parameter: ``sum`` ``[rows]`` (float32, float64 for a float64 parameter).
+    State per parameter: ``sum`` ``[rows]`` (float32, float64 for a float64 parameter), zeros
+    from construction.
     """
 
     def __init__(
@@ -68,6 +69,11 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         super().__init__(
             params, dict(lr=lr, eps=eps, weight_decay=weight_decay, weight_decay_mode=weight_decay_mode)
         )
+        # the accumulators exist from the start, as torch's Adagrad's: a checkpoint loader that
+        # shapes its target from the current state (torch.distributed.checkpoint's) finds them
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._sum(p)
 
     def _sum(self, p: Tensor) -> Tensor:
         state = self.state[p]

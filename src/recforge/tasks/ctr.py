@@ -72,6 +72,18 @@ class CTRTask(RecTask):
                 "table gradients: set model.sparse_gradients=false"
             )
 
+    # ------------------------------------------------------------------ placement
+    def configure_model(self) -> None:
+        """Where the processes exist: under ``hardware=model_parallel*`` (Lightning's
+        ``ModelParallelStrategy`` sets ``device_mesh``) the tables' rows are split across the
+        mesh's ``tensor_parallel`` dimension; elsewhere a table built sharded is drawn whole.
+        Before the optimizer is built (it gets the shards), once per stage (idempotent)."""
+        mesh = self.device_mesh
+        self.model.shard_tables(None if mesh is None else mesh["tensor_parallel"])
+        if mesh is not None:
+            # a table-sharding group's ranks evaluate the same rows: each row counts once
+            self.evaluation.reduce_over(mesh["data_parallel"].get_group())
+
     # ------------------------------------------------------------------ optimisation
     def optimizer_params(self) -> list[dict]:
         tables = list(self.model.sparse_parameters())

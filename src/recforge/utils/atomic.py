@@ -57,3 +57,22 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     with atomic_output(path) as handle:
         handle.write(text)
     return Path(path)
+
+
+def atomic_torch_save(obj: object, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj, path)`` atomically: a temporary file beside ``path``, then a rename."""
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        torch.save(obj, tmp)
+        apply_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

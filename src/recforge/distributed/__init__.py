@@ -1,0 +1,1 @@
+"""Training across processes: tables sharded over a device mesh (issue 19)."""

@@ -1,0 +1,157 @@
+"""DLRM with its tables split across processes (issue 19): ``hardware=model_parallel_cpu`` against
+the same run in one process, lazy tables against eager ones, and the mesh refused in one line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import CHEAP, REPO_ROOT
+
+from recforge.config_checks import check_hardware
+from recforge.errors import UserInputError
+from recforge.models.dlrm import DLRM
+from recforge.pipeline import train
+
+SMALL = ["model=dlrm", "data.generator.n_rows=6000", "data.batch_size=128", "data.eval_batch_size=1000",
+         "model.dense_arch=[32,16]", "model.over_arch=[32]", "model.embedding_dim=8"]
+
+
+def test_lazy_tables_hold_the_eager_values_and_leave_the_generator_where_eager_does():
+    # 70,000 rows: more than one block of the streamed draws
+    cards, kwargs = [70_000, 3, 100], dict(embedding_dim=4, dense_arch=[8], over_arch=[8])
+    torch.manual_seed(5)
+    eager = DLRM(cards, **kwargs)
+    after_eager = torch.rand(3)
+    torch.manual_seed(5)
+    lazy = DLRM(cards, **kwargs, lazy_tables=True)
+    after_lazy = torch.rand(3)
+    assert lazy.sparse_arch.embedding.weight.is_meta  # nothing held before the draw
+    with pytest.raises(RuntimeError, match="a lazy table is drawn in shard_rows"):
+        lazy(torch.zeros(2, 13), torch.zeros(2, 3, dtype=torch.long))
+    lazy.shard_tables(None)
+    lazy.shard_tables(None)  # idempotent, as Lightning's configure_model must be
+    assert torch.equal(after_eager, after_lazy)
+    want, got = eager.state_dict(), lazy.state_dict()
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def _run(args: list[str], log_dir, data_dir, checkpoints: bool = False) -> dict:
+    saving = [] if checkpoints else ["+trainer.enable_checkpointing=false", "~callbacks.model_checkpoint"]
+    cmd = [sys.executable, "src/train.py", *SMALL, *CHEAP, *args, *saving,
+           "~callbacks.early_stopping", "trainer.limit_train_batches=12",
+           "+callbacks.dump._target_=conftest.SaveRankParameters", f"+callbacks.dump.path={log_dir / 'params'}",
+           f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
+    # one thread in every process: the same GEMM reduction order in both runs
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(REPO_ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-6000:]
+    (run_dir,) = (log_dir / "train" / "runs").iterdir()
+    ranks = [torch.load(p, weights_only=False) for p in sorted((log_dir / "params").glob("rank*.pt"))]
+    return {"metrics": json.loads((run_dir / "metrics.json").read_text()), "out": done.stdout + done.stderr,
+            "ranks": ranks, "last": run_dir / "checkpoints" / "last.ckpt"}
+
+
+TABLE = "model.sparse_arch.embedding.weight"
+
+
+@pytest.mark.slow
+def test_two_processes_splitting_the_tables_train_as_one(tmp_path, data_dir):
+    """12 updates of the same batches: each rank holds half of the table's rows, and those rows (with
+    the row-wise Adagrad state that shaped them), the dense layers and the test metrics (every row
+    scored once) equal the single process's. (Sparse SGD on split rows: tests/shared/test_sharded_table.py.)"""
+    # count: how many rows the test split scored, which would double if both ranks' rows counted
+    common = ["optimizer=rowwise_adagrad", "optimizer.dense.lr=0.05", "optimizer.sparse.lr=0.05",
+              "model.lazy_tables=true", "evaluation.metrics=[auc,logloss,accuracy,count]"]
+    single = _run(["hardware=cpu", *common], tmp_path / "single", data_dir)
+    sharded = _run(["hardware=model_parallel_cpu", *common], tmp_path / "sharded", data_dir)
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in sharded["out"]
+    (whole,), ranks = single["ranks"], sharded["ranks"]
+    table = whole[TABLE]
+    assert [r[f"{TABLE}.rows"] for r in ranks] == [(0, -(-len(table) // 2)), (-(-len(table) // 2), len(table))]
+    for rank in ranks:
+        start, end = rank[f"{TABLE}.rows"]
+        assert rank[TABLE].shape == (end - start, table.shape[1])  # its rows only: half the table's memory
+        # float round-off only: duplicate rows' gradients are summed in another order (the shard's
+        # subset coalesced, not the whole), which Adagrad's 1/sqrt(G) scales up where G is tiny
+        torch.testing.assert_close(rank[TABLE], table[start:end], rtol=1e-5, atol=1e-5)
+        for name, value in whole.items():
+            if name != TABLE:
+                torch.testing.assert_close(rank[name], value, rtol=1e-5, atol=1e-5)
+    assert sharded["metrics"]["train/events"] == single["metrics"]["train/events"] == 12 * 128
+    for name in ("test/auc", "test/logloss", "test/accuracy", "val/auc"):
+        assert sharded["metrics"][name] == pytest.approx(single["metrics"][name], rel=1e-5), name
+    assert sharded["metrics"]["test/count"] == single["metrics"]["test/count"] > 0
+
+
+ONE_PROCESS = ["trainer.devices=1", "trainer.strategy.tensor_parallel_size=1"]
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumed_on_one_process_then_on_two_trains_as_an_uninterrupted_one(tmp_path, data_dir):
+    """Epoch 1 on 2 ranks, epoch 2 on 1, epoch 3 on 2 again (distributed checkpoints, read at each
+    world size) end where 3 epochs on 2 ranks end: every rank's rows, the dense layers, the row-wise
+    Adagrad state that shaped them, and the test metrics. Then src/eval.py in one process, without
+    a mesh, reads the last checkpoint and reports the same metrics."""
+    # no monitor: the checkpoint a run tests is its last epoch's, the one the next run resumes
+    common = ["optimizer=rowwise_adagrad", "optimizer.dense.lr=0.05", "optimizer.sparse.lr=0.05",
+              "model.lazy_tables=true", "hardware=model_parallel_cpu", "callbacks.model_checkpoint.monitor=null"]
+    straight = _run([*common, "trainer.max_epochs=3"], tmp_path / "straight", data_dir, checkpoints=True)
+    first = _run([*common, "trainer.max_epochs=1"], tmp_path / "first", data_dir, checkpoints=True)
+    assert (first["last"] / ".metadata").is_file() and len(list(first["last"].glob("*.distcp"))) == 2
+    second = _run([*common, *ONE_PROCESS, "trainer.max_epochs=2", f"ckpt_path={first['last']}"],
+                  tmp_path / "second", data_dir, checkpoints=True)
+    assert len(second["ranks"]) == 1 and second["ranks"][0][f"{TABLE}.rows"][0] == 0
+    third = _run([*common, "trainer.max_epochs=3", f"ckpt_path={second['last']}"], tmp_path / "third", data_dir,
+                 checkpoints=True)
+    for want, got in zip(straight["ranks"], third["ranks"], strict=True):
+        assert want[f"{TABLE}.rows"] == got[f"{TABLE}.rows"]
+        for name, value in want.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5)
+    for name in ("test/auc", "test/logloss"):
+        assert third["metrics"][name] == pytest.approx(straight["metrics"][name], rel=1e-5), name
+
+    evaluated = tmp_path / "eval"
+    done = subprocess.run([sys.executable, "src/eval.py", f"ckpt_path={third['last']}", "hardware=cpu",
+                           f"paths.log_dir={evaluated}", f"paths.data_dir={data_dir}"], cwd=REPO_ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (run_dir,) = (evaluated / "eval" / "runs").iterdir()
+    single = json.loads((run_dir / "metrics.json").read_text())
+    for name in ("test/auc", "test/logloss", "test/accuracy"):
+        assert single[name] == pytest.approx(third["metrics"][name], rel=1e-6), name
+
+
+def test_a_distributed_checkpoint_does_not_resume_without_a_mesh_in_one_line(make_cfg, tmp_path):
+    fake = tmp_path / "last.ckpt"
+    fake.mkdir()
+    (fake / ".metadata").write_bytes(b"")
+    (fake / "meta.pt").write_bytes(b"")
+    cfg = make_cfg(*SMALL, f"ckpt_path={fake}", "+run_config=" + str(REPO_ROOT / "conf" / "train.yaml"))
+    with pytest.raises(UserInputError, match=r"is a distributed checkpoint \(hardware=model_parallel\*\): resume it "
+                                             r"under hardware=model_parallel_cpu"):
+        train(cfg)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model=hstu"], r"^hardware=model_parallel_cpu splits DLRM's embedding tables across processes; model=hstu "
+                     r"has none to split: use hardware=ddp_cpu or hardware=ddp$"),
+    (["model=dlrm", "trainer.devices=3"], r"^hardware=model_parallel_cpu: trainer.devices=3 cannot form a mesh of "
+                                          r"data_parallel_size=1 x tensor_parallel_size=2; set "
+                                          r"trainer.strategy.tensor_parallel_size=3$"),
+    (["model=dlrm", "trainer.strategy.data_parallel_size=2", "trainer.devices=4"],
+     r"^hardware=model_parallel_cpu: a data-parallel size of 2 .* only 1 is supported so far"),
+])
+def test_a_mesh_that_cannot_be_is_refused_in_one_line(make_cfg, overrides, message):
+    cfg = make_cfg("hardware=model_parallel_cpu", *overrides)
+    choices = {"hardware": "model_parallel_cpu", "model": overrides[0].split("=")[1]}
+    with pytest.raises(UserInputError, match=message):
+        check_hardware(cfg, choices)
+    check_hardware(make_cfg("hardware=model_parallel_cpu", "model=dlrm"), choices)  # the preset itself passes
