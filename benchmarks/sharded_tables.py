@@ -81,7 +81,9 @@ def projection(name: str, worlds: list[int]) -> list[dict]:
 
 def measure(world: int, args, work: Path) -> dict:
     log_dir = work / f"w{world}-{len(list(work.glob(f'w{world}-*')))}"
+    tables = ",".join(str(n) for n in _tables("kaggle"))
     cmd = [sys.executable, "src/train.py", "model=dlrm", "hardware=model_parallel_cpu", f"trainer.devices={world}",
+           f"++data.generator.cardinalities=[{tables}]",
            f"trainer.strategy.tensor_parallel_size={world}", "model.lazy_tables=true", "optimizer=rowwise_adagrad",
            f"data.generator.n_rows={args.rows}", f"data.batch_size={args.batch_size}", "trainer.max_epochs=1",
            f"trainer.limit_train_batches={args.steps}", "trainer.limit_val_batches=0", "test=false",
