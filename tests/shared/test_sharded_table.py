@@ -134,3 +134,58 @@ def test_a_whole_table_loads_into_any_number_of_shards():
             mp.spawn(_reshard_worker, args=(_free_port(), world, saved, out), nprocs=world, join=True)
             shards = [out[r] for r in range(world)]
         assert torch.equal(torch.cat(shards), saved)
+
+
+def _bag_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    batches = []
+    for _ in range(steps):
+        sizes = torch.randint(0, 5, (24,), generator=gen)  # empty bags too
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        batches.append((torch.randint(0, ROWS, (int(sizes.sum()),), generator=gen), offsets))
+    return batches
+
+
+def _train_bags(lookup, optimizer) -> list[torch.Tensor]:
+    outputs = []
+    for values, offsets in _bag_batches(STEPS):
+        optimizer.zero_grad()
+        out = lookup(values, offsets)
+        outputs.append(out.detach().clone())
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).pow(2).sum().backward()
+        optimizer.step()
+    return outputs
+
+
+def _bag_worker(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        table = RowShardedEmbedding(ROWS, DIM, mesh)
+        table.load_state_dict({"weight": torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3))})
+        outputs = _train_bags(table.bags, RowWiseAdagrad(table.parameters(), lr=0.1))
+        out[rank] = {"rows": (table.start, table.end), "local": table.weight.detach().clone(), "outputs": outputs}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_shards_sum_bags_as_the_whole_table():
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_bag_worker, args=(_free_port(), out), nprocs=2, join=True)
+        ranks = dict(out)
+    weight = nn.Parameter(torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3)))
+
+    def whole(values, offsets):
+        return nn.functional.embedding_bag(values, weight, offsets, mode="sum", sparse=True, include_last_offset=True)
+
+    want_outputs = _train_bags(whole, RowWiseAdagrad([weight], lr=0.1))
+    for r in (0, 1):
+        start, end = ranks[r]["rows"]
+        for got, expected in zip(ranks[r]["outputs"], want_outputs, strict=True):
+            # a bag with rows on both ranks is summed in another order: round-off only
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ranks[r]["local"], weight.detach()[start:end], rtol=1e-5, atol=1e-6)

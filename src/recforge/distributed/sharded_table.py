@@ -46,36 +46,49 @@ def row_range(num_rows: int, world: int, rank: int) -> tuple[int, int]:
 
 class _Lookup(torch.autograd.Function):
     """ids ``[...]`` (global rows, the same on every rank) -> ``[..., d]`` on every rank; the
-    gradient of this rank's shard is the sparse rows it owns."""
+    gradient of this rank's shard is the sparse rows it owns. With ``offsets`` (``[n_bags + 1]``,
+    the last one included) the ids are bags' values and each bag is summed: ``[n_bags, d]``."""
 
     @staticmethod
-    def forward(ctx, ids: Tensor, weight: Tensor, start: int, mesh: DeviceMesh, sparse: bool) -> Tensor:
+    def forward(ctx, ids: Tensor, weight: Tensor, start: int, mesh: DeviceMesh, sparse: bool,
+                offsets: Tensor | None) -> Tensor:
         local = ids - start
         owned = (local >= 0) & (local < weight.shape[0])
         rows = torch.where(owned, local, torch.zeros_like(local))
-        partial = nn.functional.embedding(rows, weight)
-        partial.masked_fill_(~owned.unsqueeze(-1), 0.0)
+        if offsets is None:
+            partial = nn.functional.embedding(rows, weight)
+            partial.masked_fill_(~owned.unsqueeze(-1), 0.0)
+            # gradient row of each id: its own output row
+            source = None
+        else:
+            # a weight of 0 drops another rank's value from its bag's sum here
+            partial = nn.functional.embedding_bag(rows, weight, offsets, mode="sum", include_last_offset=True,
+                                                  per_sample_weights=owned.to(weight.dtype))
+            # gradient row of each value: its bag's output row
+            source = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=ids.device),
+                                             offsets.diff(), output_size=ids.numel())
         if mesh.size() > 1:
             partial = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(
                 mesh, [Replicate()]).to_local()
-        ctx.save_for_backward(rows, owned)
+        ctx.save_for_backward(rows, owned, source)
         ctx.weight_shape, ctx.sparse = weight.shape, sparse
         return partial
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        rows, owned = ctx.saved_tensors
+        rows, owned, source = ctx.saved_tensors
         keep = owned.reshape(-1)
         # the unsharded table's sparse gradient restricted to this rank's rows, in the same order
         # (uncoalesced: the optimizer sums duplicates, as for nn.Embedding(sparse=True))
         index = rows.reshape(-1)[keep]
-        values = grad.reshape(-1, grad.shape[-1])[keep]
+        per_row = grad.reshape(-1, grad.shape[-1])
+        values = per_row[keep] if source is None else per_row.index_select(0, source[keep])
         if ctx.sparse:
             weight_grad = torch.sparse_coo_tensor(index.unsqueeze(0), values, ctx.weight_shape,
                                                   check_invariants=False)
         else:
             weight_grad = values.new_zeros(ctx.weight_shape).index_add_(0, index, values)
-        return None, weight_grad, None, None, None
+        return None, weight_grad, None, None, None, None
 
 
 class RowShardedEmbedding(nn.Module):
@@ -84,7 +97,7 @@ class RowShardedEmbedding(nn.Module):
     ``weight`` is this rank's shard ``[end - start, d]``, rows ``[start, end)`` of the whole
     (:func:`row_range`); uninitialised at construction (the owner fills it). ``forward(ids)``:
     ids ``[...]`` int64 in ``[0, num_embeddings)``, identical on every rank of ``mesh`` ->
-    ``[..., d]``, identical on every rank. ``sparse``: the shard's gradient as sparse COO rows.
+    ``[..., d]``, identical on every rank; :meth:`bags` sums bags of ids. ``sparse``: the shard's gradient as sparse COO rows.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh: DeviceMesh, sparse: bool = True,
@@ -100,7 +113,14 @@ class RowShardedEmbedding(nn.Module):
         self._register_load_state_dict_pre_hook(_weight_from_saved, with_module=True)
 
     def forward(self, ids: Tensor) -> Tensor:
-        return _Lookup.apply(ids, self.weight, self.start, self.mesh, self.sparse)
+        return _Lookup.apply(ids, self.weight, self.start, self.mesh, self.sparse, None)
+
+    def bags(self, values: Tensor, offsets: Tensor) -> Tensor:
+        """Sum-pooled bags, as ``embedding_bag(values, weight, offsets, mode="sum",
+        include_last_offset=True)`` over the whole table: ``values [n]`` global rows, ``offsets
+        [n_bags + 1]`` -> ``[n_bags, d]`` on every rank. A bag whose rows live on several ranks is
+        summed in another order than unsharded (float round-off)."""
+        return _Lookup.apply(values, self.weight, self.start, self.mesh, self.sparse, offsets)
 
     def whole(self, local: Tensor | None = None) -> DTensor:
         """The whole table ``[num_embeddings, d]`` as a DTensor over ``mesh`` whose local part is

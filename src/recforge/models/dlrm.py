@@ -292,9 +292,6 @@ class SparseArch(nn.Module):
         if not isinstance(sparse, SparseBags):
             self._check_ids(sparse)
             return self.embedding(sparse + self.offsets)
-        if self.is_sharded:
-            raise ValueError("multi-hot bags (SparseBags) on a sharded table: not supported; "
-                             "one id per feature only")
         n_features, batch = sparse.n_features, sparse.batch_size
         per_feature = sparse.offsets[torch.arange(1, n_features + 1, device=sparse.offsets.device) * batch] - \
             sparse.offsets[torch.arange(n_features, device=sparse.offsets.device) * batch]
@@ -302,10 +299,13 @@ class SparseArch(nn.Module):
             torch.arange(n_features, device=sparse.values.device), per_feature, output_size=sparse.values.numel()
         )
         self._check_bag_ids(sparse, feature)
-        pooled = nn.functional.embedding_bag(
-            sparse.values + self.offsets[feature], self.embedding.weight, sparse.offsets, mode="sum",
-            sparse=self.embedding.sparse, include_last_offset=True,
-        )
+        if self.is_sharded:
+            pooled = self.embedding.bags(sparse.values + self.offsets[feature], sparse.offsets)
+        else:
+            pooled = nn.functional.embedding_bag(
+                sparse.values + self.offsets[feature], self.embedding.weight, sparse.offsets, mode="sum",
+                sparse=self.embedding.sparse, include_last_offset=True,
+            )
         return pooled.view(n_features, batch, self.embedding_dim).transpose(0, 1)
 
 
