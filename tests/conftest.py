@@ -229,6 +229,34 @@ TINY_RUN = [
     "trainer.num_sanity_val_steps=0",
     "callbacks.progress_bar.refresh_rate=0",
 ]
+_TINY_LOOP = [o for o in TINY_RUN if not o.startswith(("data.", "task."))]
+# The same loop for the other families' commands (model=hstu|sasrec, model=dlrm), with their own
+# generators shrunk: a family's data keys do not exist in another family's data config.
+TINY_SEQUENCE_RUN = [
+    *_TINY_LOOP,
+    "data.generator.n_users=300",
+    "data.generator.n_items=200",
+    "data.generator.max_length=60",
+    "data.max_seq_len=50",
+    "data.eval_batch_size=64",
+]
+TINY_CTR_RUN = [
+    *_TINY_LOOP,
+    "data.generator.n_rows=6000",
+    "data.eval_batch_size=1000",
+    "model.dense_arch=[32,16]",
+    "model.over_arch=[32]",
+]
+
+
+def tiny_profile(command: str) -> list[str]:
+    """The conf/local profile for a README command line, by the family its ``model=`` picks."""
+    models = " ".join(w.split("=", 1)[1] for w in command.split() if w.startswith("model="))
+    if "dlrm" in models:
+        return TINY_CTR_RUN
+    if "hstu" in models or "sasrec" in models:
+        return TINY_SEQUENCE_RUN
+    return TINY_RUN
 
 
 def user_checkout(root: Path, local: list[str] = TINY_RUN) -> Path:

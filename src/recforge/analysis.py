@@ -29,10 +29,21 @@ META_COLUMNS = ("job", "status")
 EXTRA_METRICS = ("epochs", "wall_time_s", "test_checkpoint")
 """Keys of metrics.json without a ``train/``, ``val/`` or ``test/`` prefix."""
 
-DEFAULT_METRICS = ("val/recall@20", "val/mrr@20", "test/recall@20", "test/mrr@20")
-"""Plotted, when present, after the sweep's ``optimized_metric``."""
+FAMILY_METRICS = {
+    "session next-item (GRU4Rec)": ("recall@20", "mrr@20"),
+    "sequential retrieval (HSTU, SASRec)": ("hr@10", "ndcg@10", "mrr"),
+    "click-through rate (DLRM)": ("auc", "logloss"),
+}
+"""The figures each family's papers report, by the name its evaluation logs them under."""
+
+DEFAULT_METRICS = tuple(
+    f"{split}/{name}" for split in ("val", "test") for names in FAMILY_METRICS.values() for name in names
+)
+"""Plotted, when present, after the sweep's ``optimized_metric``: a sweep's jobs log only their
+family's names, so each family gets its own (several, for a sweep across families)."""
 
 TRAIN_LOSS = "train/loss_epoch"
+TRAIN_LOSS_STEP = "train/loss_step"
 
 
 def job_dirs(sweep_dir: str | Path) -> list[Path]:
@@ -111,13 +122,32 @@ def hyperparameter_columns(summary: pd.DataFrame, varying_only: bool = True) -> 
 
 
 def optimized_metric(sweep_dir: str | Path) -> str | None:
-    """The sweep's ``optimized_metric`` (from the first job's ``.hydra/config.yaml``), if any."""
+    """The sweep's ``optimized_metric``, resolved as its first job resolved it, if any.
+
+    Hydra saves ``.hydra/config.yaml`` unresolved: ``optimized_metric`` is usually
+    ``${evaluation.monitor}``, which names the metric only once interpolated within that config.
+    """
     for job in job_dirs(sweep_dir):
-        config = job / ".hydra" / "config.yaml"
-        if config.exists():
-            value = (yaml.safe_load(config.read_text()) or {}).get("optimized_metric")
-            return str(value) if value else None
+        path = job / ".hydra" / "config.yaml"
+        if path.exists():
+            return _resolved_key(path, "optimized_metric")
     return None
+
+
+def _resolved_key(path: Path, key: str) -> str | None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    import recforge.utils.resolvers  # noqa: F401  (registers the configs' own resolvers)
+
+    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        value = OmegaConf.select(OmegaConf.create(raw), key, throw_on_resolution_failure=True)
+    except OmegaConfBaseException:
+        # An interpolation into Hydra's runtime (${hydra:...}) resolves only inside the job; the
+        # raw text still tells a reader more than nothing.
+        value = raw.get(key)
+    return str(value) if value else None
 
 
 def metric_columns(
@@ -170,6 +200,26 @@ def load_epoch_logs(sweep_dir: str | Path) -> pd.DataFrame:
     metrics (``val/...``, ``train/loss_epoch``, ``train/events_per_s``, ...). Per-step values
     (``*_step``) and the final test row are dropped. Jobs without a CSV log are skipped.
     """
+    return _load_logs(sweep_dir, _epoch_rows, "epoch")
+
+
+def load_step_logs(sweep_dir: str | Path, metric: str = TRAIN_LOSS_STEP) -> pd.DataFrame:
+    """Every job's per-step ``metric`` (logged every ``trainer.log_every_n_steps``), concatenated.
+
+    Columns: ``job``, the job's overrides, ``epoch``, ``step``, ``metric``. The curve to look at
+    when the jobs ran one or two epochs, where an epoch-level curve is a point or a segment.
+    Jobs without a CSV log, or that never logged ``metric``, are skipped.
+    """
+
+    def rows(frame: pd.DataFrame) -> pd.DataFrame:
+        if metric not in frame.columns:
+            return frame.iloc[0:0][["epoch", "step"]]
+        return frame.dropna(subset=[metric])[["epoch", "step", metric]]
+
+    return _load_logs(sweep_dir, rows, "step")
+
+
+def _load_logs(sweep_dir: str | Path, rows, order: str) -> pd.DataFrame:
     sweep_dir = Path(sweep_dir)
     frames = []
     override_keys: list[str] = []
@@ -177,14 +227,16 @@ def load_epoch_logs(sweep_dir: str | Path) -> pd.DataFrame:
         path = job / EPOCH_LOG
         if not path.exists():
             continue
-        epochs = _epoch_rows(pd.read_csv(path))
+        logged = rows(pd.read_csv(path))
+        if logged.empty:
+            continue
         overrides = _override_items(job)
         override_keys.extend(k for k in overrides if k not in override_keys)
-        frames.append(epochs.assign(job=_job_id(job.name), **overrides))
+        frames.append(logged.assign(job=_job_id(job.name), **overrides))
     if not frames:
         raise FileNotFoundError(
             f"no job of sweep directory {sweep_dir} has a {EPOCH_LOG.as_posix()} "
-            "(train with logger=csv)"
+            f"with {order}-level rows (train with logger=csv)"
         )
     logs = pd.concat(frames, ignore_index=True)
     for key in override_keys:
@@ -247,9 +299,10 @@ def plot_metrics_vs_hparams(
 
 
 def plot_learning_curves(
-    epochs: pd.DataFrame, metrics: Sequence[str], hparams: Sequence[str] = ()
+    epochs: pd.DataFrame, metrics: Sequence[str], hparams: Sequence[str] = (), x: str = "epoch"
 ) -> Figure:
-    """One panel per metric, one line per job, metric against epoch (from :func:`load_epoch_logs`)."""
+    """One panel per metric, one line per job, metric against ``x``: ``epoch`` (rows from
+    :func:`load_epoch_logs`) or ``step`` (from :func:`load_step_logs`)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -259,14 +312,17 @@ def plot_learning_curves(
     labels = job_labels(epochs, hparams)
     for ax, metric in zip(axes[0], metrics):
         for job, rows in epochs.groupby("job", sort=False):
-            rows = rows[["epoch", metric]].dropna().sort_values("epoch")
-            ax.plot(rows["epoch"], rows[metric], marker="o", label=labels[job])
-        ax.set_xlabel("epoch")
+            rows = rows[[x, metric]].dropna().sort_values(x)
+            ax.plot(rows[x], rows[metric], marker="o" if x == "epoch" else None, label=labels[job])
+        ax.set_xlabel(x)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        values = epochs[x].dropna()
+        if values.nunique() == 1:  # one epoch: matplotlib would centre a +-0.05 window on it
+            ax.set_xlim(values.iloc[0] - 0.5, values.iloc[0] + 0.5)
         ax.set_ylabel(metric)
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize="small")
-    fig.suptitle("learning curves")
+    fig.suptitle("learning curves" if x == "epoch" else f"per {x}")
     fig.tight_layout()
     return fig
 

@@ -6,6 +6,7 @@ user types it (tiny data from the checkout's conf/local) and execute the noteboo
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -14,11 +15,12 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import readme_commands
+from conftest import readme_commands, tiny_profile
 from recforge.analysis import (
     hyperparameter_columns,
     latest_sweep,
     load_epoch_logs,
+    load_step_logs,
     load_sweep,
     metric_columns,
     optimized_metric,
@@ -55,11 +57,13 @@ JOBS = {
 }
 
 
-def _write_job(sweep: Path, name: str, overrides: list[str], metrics: dict | None, csv: str | None):
+def _write_job(sweep: Path, name: str, overrides: list[str], metrics: dict | None, csv: str | None,
+               config: dict | None = None):
     job = sweep / name
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"optimized_metric": "val/mrr@20"}))
+    config = {"optimized_metric": "val/mrr@20"} if config is None else config
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     if metrics is not None:
         (job / "metrics.json").write_text(json.dumps(metrics, sort_keys=True))  # as write_metrics
     if csv is not None:
@@ -186,6 +190,60 @@ def test_optimized_metric_and_metric_columns(fake_sweep: Path):
     assert metric_columns(summary, ["nope"], defaults=()) == []
 
 
+def test_optimized_metric_is_resolved_as_the_job_resolved_it(tmp_path: Path):
+    # conf/train.yaml says optimized_metric: ${evaluation.monitor}; Hydra saves it unresolved
+    sweep = tmp_path / "sweep"
+    config = {"optimized_metric": "${evaluation.monitor}", "evaluation": {"monitor": "val/ndcg@10"},
+              "callbacks": {"mode": "${recforge_metric_mode:${optimized_metric}}"}}
+    _write_job(sweep, "0", ["model=hstu"], {"val/ndcg@10": 0.5}, None, config=config)
+    assert optimized_metric(sweep) == "val/ndcg@10"
+    # an interpolation that only a running job can resolve comes back as written
+    other = tmp_path / "other"
+    _write_job(other, "0", ["model=hstu"], None, None, config={"optimized_metric": "${hydra:job.name}"})
+    assert optimized_metric(other) == "${hydra:job.name}"
+
+
+def test_each_family_gets_its_own_metrics_by_default():
+    sequential = pd.DataFrame({"job": [0], "val/hr@10": [0.5], "val/ndcg@10": [0.25], "val/mrr": [0.125],
+                               "test/hr@10": [0.5], "test/ndcg@10": [0.25], "test/hr@1": [0.1]})
+    assert metric_columns(sequential, ["val/ndcg@10"]) == [
+        "val/ndcg@10", "val/hr@10", "val/mrr", "test/hr@10", "test/ndcg@10",
+    ]
+    ctr = pd.DataFrame({"job": [0], "val/auc": [0.7], "val/logloss": [0.5], "test/auc": [0.7],
+                        "test/logloss": [0.5], "test/accuracy": [0.75]})
+    assert metric_columns(ctr, [None]) == ["val/auc", "val/logloss", "test/auc", "test/logloss"]
+
+
+def test_load_step_logs(fake_sweep: Path, tmp_path: Path):
+    logs = load_step_logs(fake_sweep)  # job 1 logged no per-step loss
+    expected = pd.DataFrame({
+        "job": [0, 0], "model.hidden_size": [16, 16], "trainer.max_epochs": [2, 2],
+        "trainer.limit_train_batches": [30, 30], "epoch": [0, 1], "step": [4, 14],
+        "train/loss_step": [3.5, 3.0],
+    })
+    pd.testing.assert_frame_equal(logs, expected, check_dtype=False)
+    none = tmp_path / "none"
+    _write_job(none, "0", ["model.hidden_size=8"], None, METRICS_CSV["1"])
+    with pytest.raises(FileNotFoundError, match=re.escape(str(none)) + ".*step-level"):
+        load_step_logs(none)
+
+
+def test_one_epoch_curves_get_a_readable_axis(fake_sweep: Path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from recforge.analysis import plot_learning_curves
+
+    one_epoch = load_epoch_logs(fake_sweep).query("epoch == 0")
+    fig = plot_learning_curves(one_epoch, ["val/mrr@20"])
+    assert fig.axes[0].get_xlim() == (-0.5, 0.5)  # matplotlib alone: (-0.055, 0.055)
+    steps = plot_learning_curves(load_step_logs(fake_sweep), ["train/loss_step"], x="step")
+    assert steps.axes[0].get_xlabel() == "step"
+    assert steps.axes[0].lines[0].get_xdata().tolist() == [4, 14]
+    plt.close("all")
+
+
 def test_plots_save_pngs(fake_sweep: Path):
     pytest.importorskip("matplotlib")
     import matplotlib
@@ -291,5 +349,51 @@ def test_notebook_runs_on_the_tiny_sweep(tiny_sweep: Path, python3_kernel: str, 
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert f"sweep: {tiny_sweep.resolve()}" in text
     pngs = sorted(p.name for p in tiny_sweep.glob("sweep_analysis_*.png"))
-    assert pngs == ["sweep_analysis_learning_curves.png", "sweep_analysis_metrics.png"]
+    assert pngs == ["sweep_analysis_learning_curves.png", "sweep_analysis_metrics.png",
+                    "sweep_analysis_training_loss.png"]
     assert all((tiny_sweep / p).stat().st_size > 1000 for p in pngs)
+
+
+# --------------------------------------------------------------------------- every family's sweep
+# The README's no-download sweep of each other family, run as typed (tests/shared/test_sweeps.py
+# runs the same commands with the same profile: one run serves both), then the notebook through
+# the README's own command for it.
+FAMILY_SWEEPS = {
+    "sequential retrieval": ("python src/train.py -m model=hstu,sasrec ", ["model"],
+                             ["val/ndcg@10", "val/hr@10", "val/mrr", "test/hr@10", "test/ndcg@10", "test/mrr"]),
+    "click-through rate": ("python src/train.py -m model=dlrm ", ["model.embedding_dim"],
+                           ["val/auc", "val/logloss", "test/auc", "test/logloss"]),
+}
+README_NOTEBOOK = "jupyter execute notebooks/1.0-sweep-analysis.ipynb"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILY_SWEEPS))
+def test_notebook_plots_each_familys_own_metrics(family: str, user_sweep, python3_kernel: str):
+    import subprocess
+
+    prefix, swept, expected = FAMILY_SWEEPS[family]
+    commands = [c for c in readme_commands() if c.startswith(prefix) and "..." not in c]
+    assert commands, f"the README no longer shows a {family} sweep starting {prefix!r}"
+    checkout, proc = user_sweep(commands[0], tiny_profile(commands[0]))
+    assert proc.returncode == 0, f"{commands[0]} failed:\n{proc.stderr[-4000:]}"
+    sweep = latest_sweep(checkout / "outputs")
+
+    summary = load_sweep(sweep)
+    assert summary["status"].tolist() == ["ok", "ok"]
+    assert hyperparameter_columns(summary) == swept
+    target = optimized_metric(sweep)
+    assert target == expected[0]
+    assert metric_columns(summary, [target]) == expected
+    assert summary[expected].notna().all().all()
+
+    assert README_NOTEBOOK in (REPO / "README.md").read_text()
+    jupyter = Path(sys.executable).with_name("jupyter")
+    env = {**os.environ, "RECFORGE_SWEEP_DIR": str(sweep), "MPLBACKEND": "Agg"}
+    done = subprocess.run([str(jupyter), *README_NOTEBOOK.split()[1:]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    pngs = sorted(p.name for p in sweep.glob("sweep_analysis_*.png"))
+    assert pngs == ["sweep_analysis_learning_curves.png", "sweep_analysis_metrics.png",
+                    "sweep_analysis_training_loss.png"]
+    assert all((sweep / p).stat().st_size > 1000 for p in pngs)
