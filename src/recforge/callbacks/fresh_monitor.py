@@ -7,11 +7,29 @@ compare a stale figure, count a non-improvement towards the patience, or refuse 
 resumed fit starts on such an epoch. These two act on a pass only if the task's last validation
 logged their monitor (``RecTask.last_validation_logged``); with every user validated every epoch
 that is every pass, and they are Lightning's own.
+
+A resumed run writes into its own run directory, and Lightning forgets the best checkpoint of a
+checkpoint saved under another directory ("The dirpath has changed ..."): the resumed run would
+then test, and report as best, whatever its own epochs reached. :class:`ModelCheckpoint` carries
+the best ones over instead: it copies them into the new directory, so the resumed run is whole on
+its own and its top-k bookkeeping never deletes a file of the earlier run.
 """
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
 import lightning as L
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import callbacks
+
+from recforge.utils.atomic import apply_umask
+
+log = logging.getLogger(__name__)
 
 
 def logged_by_last_validation(monitor: str | None, pl_module: L.LightningModule) -> bool:
@@ -28,6 +46,59 @@ class ModelCheckpoint(callbacks.ModelCheckpoint):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if logged_by_last_validation(self.monitor, pl_module):
             super().on_validation_end(trainer, pl_module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        old_dir = state_dict.get("dirpath")
+        if self.dirpath is None or old_dir is None or Path(old_dir) == Path(self.dirpath):
+            super().load_state_dict(state_dict)
+            return
+        carried = _carried_over(state_dict, Path(old_dir), Path(self.dirpath), self.mode)
+        if not carried["best_k_models"]:  # nothing to carry: start as a fresh callback would
+            carried.update(kth_best_model_path=self.kth_best_model_path, kth_value=self.kth_value)
+        super().load_state_dict({**state_dict, "dirpath": self.dirpath, **carried})
+
+
+def _carried_over(state: dict[str, Any], old_dir: Path, new_dir: Path, mode: str) -> dict[str, Any]:
+    """The best-k entries of ``state`` whose files still exist, copied from ``old_dir`` into
+    ``new_dir`` (by rank 0), with their paths and the best / k-th fields pointing at the copies."""
+    best_k: dict[str, Any] = {}
+    for old_path, score in (state.get("best_k_models") or {}).items():
+        old_path = Path(old_path)
+        if not old_path.exists():
+            log.warning("resumed run: the earlier best checkpoint %s is gone; it is not carried over", old_path)
+            continue
+        new_path = new_dir / old_path.name
+        if rank_zero_only.rank == 0 and not new_path.exists():
+            _copy(old_path, new_path)
+        best_k[str(new_path)] = score
+    carried = {"best_k_models": best_k, "last_model_path": ""}
+    if best_k:
+        best, worst = (max, min) if mode == "max" else (min, max)
+        best_path = best(best_k, key=lambda p: float(best_k[p]))
+        kth_path = worst(best_k, key=lambda p: float(best_k[p]))  # read only once best_k holds k
+        carried.update(best_model_path=best_path, best_model_score=best_k[best_path],
+                       kth_best_model_path=kth_path, kth_value=best_k[kth_path])
+        best = best_path
+        log.info("resumed run: best %s %s carried over from %s", state.get("monitor"), float(best_k[best]), old_dir)
+    else:
+        carried.update(best_model_path="", best_model_score=None)
+    return carried
+
+
+def _copy(source: Path, target: Path) -> None:
+    """``source`` (a file, or a distributed checkpoint's directory) at ``target``, whole or not at all."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staged = tmp / target.name
+    try:
+        if source.is_dir():
+            shutil.copytree(source, staged)
+        else:
+            shutil.copy2(source, staged)
+        apply_umask(staged)
+        os.replace(staged, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class EarlyStopping(callbacks.EarlyStopping):
