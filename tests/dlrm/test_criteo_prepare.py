@@ -700,3 +700,19 @@ def test_an_out_dir_of_the_synthetic_generator_is_converted_over(tmp_path):
     out = write_synthetic_criteo(SyntheticCriteoConfig(n_rows=200), tmp_path / "out")
     assert prepare_criteo(path, out, max_ind_range=9) == out
     assert read_metadata(out)["cardinalities"] == [10] * 26
+
+
+def test_malformed_lines_are_shown_on_the_console_by_file_and_line(tmp_path, caplog):
+    lines = synthetic_lines(3000)
+    lines[9] = "1\t2"  # line 10: too few fields
+    lines[99] = "7" + lines[99][1:]  # line 100: a label that is not 0 or 1
+    path = write_lines(tmp_path / "train.txt", lines)
+    with caplog.at_level("WARNING", logger="recforge.data.criteo.prepare"):
+        out = prepare_criteo(path, tmp_path / "out", max_ind_range=50)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    shown = [line for line in warnings[0].splitlines() if line.startswith(f"  {path}:")]
+    assert [int(s.split(":")[1]) for s in shown] == [10, 100]
+    assert all(s.split(": ", 1)[1] for s in shown)  # each with its reason
+    assert warnings[0].startswith("2 malformed lines skipped")
+    assert str(Path(out) / "metadata.json") in warnings[0]

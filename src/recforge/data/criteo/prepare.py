@@ -423,7 +423,16 @@ def _convert(sources: list[_Source], params: dict[str, Any], out_dir: Path, chun
         )
     log.info("prepared %s: %s in %.1f s (%s malformed lines skipped)", path,
              ", ".join(f"{k} {v:,}" for k, v in rows.items()), elapsed, f"{malformed.count:,}")
+    if malformed.count:
+        shown = malformed.examples[:CONSOLE_EXAMPLES]
+        log.warning("%s malformed lines skipped, the first %d:\n  %s\n(up to %d in %s, under \"malformed\")",
+                    f"{malformed.count:,}", len(shown), "\n  ".join(shown), malformed.keep,
+                    Path(path) / METADATA)
     return path
+
+
+CONSOLE_EXAMPLES = 5
+"""Malformed lines shown on the console as ``file:line: reason``; metadata.json keeps more."""
 
 
 def _parse_and_write(sources: list[_Source], plan: SplitPlan, encoder: HashEncoder | VocabEncoder, chunk_rows: int,
