@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from processes import pytest_runtest_protocol, pytest_sessionstart, run_child  # noqa: F401 (hooks)
+
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
@@ -32,7 +34,7 @@ ISOLATED_CHILD = "RECFORGE_ISOLATED_TEST"
 
 def _run_in_child(item: pytest.Item) -> None:
     env = {**os.environ, ISOLATED_CHILD: "1"}
-    done = subprocess.run(
+    done = run_child(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", item.nodeid],
         cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=900,
     )
@@ -286,7 +288,7 @@ def run_command(command: str, cwd: Path, timeout: int = 600) -> subprocess.Compl
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
     env.pop("WANDB_API_KEY", None)
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_child(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def readme_commands() -> list[str]:

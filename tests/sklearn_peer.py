@@ -9,12 +9,13 @@ the peer's figure in a fresh interpreter.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from processes import run_child
 
 
 def sklearn_peer(task: str, **arrays) -> float:
@@ -24,7 +25,7 @@ def sklearn_peer(task: str, **arrays) -> float:
     with tempfile.TemporaryDirectory(prefix="sklearn_peer_") as tmp:
         path = Path(tmp) / "arrays.npz"
         np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
-        done = subprocess.run([sys.executable, __file__, task, str(path)], capture_output=True, text=True,
+        done = run_child([sys.executable, __file__, task, str(path)], capture_output=True, text=True,
                               timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"scikit-learn peer {task!r} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")

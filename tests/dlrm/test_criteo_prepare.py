@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from processes import run_child
+
 from recforge.data.criteo.prepare import ensure_prepared, prepare_criteo, prepared_key
 from recforge.data.criteo.prepared import SPLITS, read_metadata, split_files
 from recforge.data.criteo.raw import MalformedLog, detect_layout, iter_raw_chunks
@@ -602,7 +604,7 @@ def test_ensure_prepared_reuses_and_reconverts(tmp_path, monkeypatch):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "recforge.data.criteo.prepare", *args],
+    return run_child([sys.executable, "-m", "recforge.data.criteo.prepare", *args],
                           capture_output=True, text=True, env=env, timeout=120)
 
 

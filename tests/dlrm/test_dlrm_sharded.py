@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from processes import run_child
 import torch
 
 from conftest import CHEAP, REPO_ROOT
@@ -50,7 +51,7 @@ def _run(args: list[str], log_dir, data_dir, checkpoints: bool = False) -> dict:
            f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
     # one thread in every process: the same GEMM reduction order in both runs
     env = {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(REPO_ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
     (run_dir,) = (log_dir / "train" / "runs").iterdir()
     ranks = [torch.load(p, weights_only=False) for p in sorted((log_dir / "params").glob("rank*.pt"))]
@@ -119,7 +120,7 @@ def test_a_sharded_run_resumed_on_one_process_then_on_two_trains_as_an_uninterru
         assert third["metrics"][name] == pytest.approx(straight["metrics"][name], rel=1e-5), name
 
     evaluated = tmp_path / "eval"
-    done = subprocess.run([sys.executable, "src/eval.py", f"ckpt_path={third['last']}", "hardware=cpu",
+    done = run_child([sys.executable, "src/eval.py", f"ckpt_path={third['last']}", "hardware=cpu",
                            f"paths.log_dir={evaluated}", f"paths.data_dir={data_dir}"], cwd=REPO_ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

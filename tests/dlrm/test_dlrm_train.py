@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_child
 import torch
 
 from conftest import CHEAP, REPO_ROOT
@@ -91,7 +92,7 @@ def test_ddp_two_cpu_processes_reduce_the_metrics_of_every_row(make_cfg, tmp_pat
     cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *SMALL, *CHEAP, "trainer.max_epochs=2",
            f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
     (run_dir,) = (log_dir / "train" / "runs").iterdir()
@@ -179,7 +180,7 @@ def test_profiler_preset_writes_a_tensorboard_trace(make_cfg, tmp_path):
 def test_the_real_criteo_sample_from_raw_text_to_metrics(make_cfg, shared_data_dir, tmp_path):
     raw = shared_data_dir / "criteo" / "train.tiny.txt"
     out = tmp_path / "prepared"
-    done = subprocess.run(
+    done = run_child(
         [sys.executable, "-m", "recforge.data.criteo.prepare", "--raw", str(raw), "--out", str(out),
          "--categorical", "vocab", "--split", "random_7_2_1", "--seed", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,

@@ -6,12 +6,13 @@ say why each row is (or is not) there.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from processes import run_child
 
 import recforge.data.sessions.preprocess as pp
 from recforge.data.sessions.io import read_session_file
@@ -699,7 +700,7 @@ def test_cli_prints_paths_and_counts(tmp_path, capsys):
 def test_module_runs_as_a_script(tmp_path):
     raw = write(tmp_path / "clicks.dat", RSC15_CLICKS)
     out = tmp_path / "out"
-    result = subprocess.run(
+    result = run_child(
         [sys.executable, "-m", "recforge.data.sessions.preprocess", "rsc15", "--raw", str(raw),
          "--out", str(out), "--min-item-support", "2"],
         capture_output=True, text=True, timeout=120,

@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from processes import run_child
 import torch
 
 from recforge.pipeline import build, evaluate, train
@@ -186,7 +187,7 @@ def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     ]
     # faulthandler: a rank that dies of a signal still leaves its Python stack in stderr
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, _rank_failures(done.stderr)
     (run_dir,) = (log_dir / "train" / "runs").iterdir()
     trained = json.loads((run_dir / "metrics.json").read_text())

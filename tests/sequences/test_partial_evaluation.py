@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from processes import run_child
 import torch
 
 from recforge.data.sequences.datamodule import HistoryDataModule, _EvalShard
@@ -220,7 +222,6 @@ def test_ddp_ranks_share_the_sample_and_report_its_figure(make_cfg, tmp_path, da
     the reduced partial figure of epoch 1 equals a single process ranking the same users with that
     epoch's weights (monitoring the sample, every epoch's checkpoint kept)."""
     import os
-    import subprocess
     import sys
 
     from conftest import CHEAP, REPO_ROOT
@@ -231,7 +232,7 @@ def test_ddp_ranks_share_the_sample_and_report_its_figure(make_cfg, tmp_path, da
     cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *sizes, *CHEAP, "trainer.max_epochs=2",
            "evaluation.monitor=val_sample/ndcg@10", "callbacks.model_checkpoint.save_top_k=-1",
            f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    done = run_child(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import pytest
+
+from processes import run_child
 
 from recforge.errors import UserInputError
 from recforge.utils import allocator
@@ -43,7 +44,7 @@ print(json.dumps({"line": line, "faults": after - before}))
 
 def _faults(policy: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in USER_VARIABLES}
-    out = subprocess.run([sys.executable, "-c", FAULTS, policy], env=env, capture_output=True, text=True,
+    out = run_child([sys.executable, "-c", FAULTS, policy], env=env, capture_output=True, text=True,
                          check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,11 +1,12 @@
 """Every declared-valid config combination composes and builds; invalid ones fail clearly."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_child
 import yaml
 from hydra.utils import get_class, instantiate
 
@@ -177,7 +178,7 @@ def test_a_task_that_cannot_drive_the_model_names_the_tasks_that_can(make_cfg):
 
 
 def test_invalid_combination_fails_at_start_in_one_line(tmp_path):
-    done = subprocess.run(
+    done = run_child(
         # the run directory Hydra opens before recforge refuses the config: not the repo's outputs/
         [sys.executable, "src/train.py", "loss=bce", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from processes import run_child
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 triton = pytest.importorskip("triton")
@@ -41,7 +42,7 @@ def compiled() -> list[dict]:
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (silences its warning)
     src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run(
+    done = run_child(
         [sys.executable, str(SCRIPT), *map(str, ARCHS)], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-4000:]

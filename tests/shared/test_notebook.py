@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from processes import run_child
 import yaml
 
 from conftest import readme_commands, tiny_profile
@@ -370,7 +372,6 @@ README_NOTEBOOK = "jupyter execute notebooks/1.0-sweep-analysis.ipynb"
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILY_SWEEPS))
 def test_notebook_plots_each_familys_own_metrics(family: str, user_sweep, python3_kernel: str):
-    import subprocess
 
     prefix, swept, expected = FAMILY_SWEEPS[family]
     commands = [c for c in readme_commands() if c.startswith(prefix) and "..." not in c]
@@ -390,7 +391,7 @@ def test_notebook_plots_each_familys_own_metrics(family: str, user_sweep, python
     assert README_NOTEBOOK in (REPO / "README.md").read_text()
     jupyter = Path(sys.executable).with_name("jupyter")
     env = {**os.environ, "RECFORGE_SWEEP_DIR": str(sweep), "MPLBACKEND": "Agg"}
-    done = subprocess.run([str(jupyter), *README_NOTEBOOK.split()[1:]], cwd=REPO, env=env,
+    done = run_child([str(jupyter), *README_NOTEBOOK.split()[1:]], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     pngs = sorted(p.name for p in sweep.glob("sweep_analysis_*.png"))

@@ -2,14 +2,18 @@
 tests marked ``isolated`` run, pass, fail and skip in a pytest process of their own."""
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import _run_in_child
+from conftest import ISOLATED_CHILD, _run_in_child
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the Linux process map")
@@ -61,3 +65,131 @@ def test_isolated_skip_is_a_skip_with_its_reason(child_suite):
 def test_a_missing_test_is_a_failure(child_suite):
     with pytest.raises(pytest.fail.Exception):
         _run_in_child(child_suite("test_not_there"))
+
+
+# ---------------------------------------------------------------- stopping the suite (issue 21)
+# A child pytest session with the suite's stop handling (-p processes). Its first test fits a
+# Lightning model whose training step waits; the signal arrives during that fit. Lightning turns a
+# KeyboardInterrupt there into sys.exit(1) and ignores SIGINT from then on, so without the
+# handling the session would record one failure and go on to the second test.
+STOP_TESTS = '''
+import os, subprocess, sys, time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from processes import run_child
+
+MARKS = Path(os.environ["STOP_MARKS"])
+
+
+class Waits(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        (MARKS / "fitting").write_text("")
+        time.sleep(0.05)
+        return (self.w - batch).pow(2).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return [torch.ones(1)] * 100_000
+
+
+def test_first():
+    if os.environ["STOP_CASE"] == "fit":
+        L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, accelerator="cpu").fit(Waits())
+    else:  # a child that starts a sleeper of its own and waits: the sleeper must not outlive the suite
+        run_child([sys.executable, str(MARKS.parent / "spawn.py"), str(MARKS / "pids")])
+
+
+def test_after():
+    (MARKS / "after").write_text("")
+'''
+SPAWN = '''
+import subprocess, sys, time
+sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(str(sleeper.pid))
+time.sleep(600)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("sig,case", [(signal.SIGINT, "fit"), (signal.SIGTERM, "fit"), (signal.SIGTERM, "child")])
+def test_a_stop_signal_ends_the_session_and_its_children(tmp_path: Path, sig: int, case: str):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "test_stop.py").write_text(STOP_TESTS)
+    (tmp_path / "spawn.py").write_text(SPAWN)
+    env = {**os.environ, "STOP_MARKS": str(marks), "STOP_CASE": case,
+           "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    env.pop(ISOLATED_CHILD, None)
+    session = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "processes", "-p", "no:cacheprovider", "test_stop.py"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        started = marks / ("fitting" if case == "fit" else "pids")
+        while not (started.exists() and started.read_text() != ("" if case == "child" else None)):
+            assert session.poll() is None and time.monotonic() < deadline, session.communicate()[0]
+            time.sleep(0.1)
+        sleeper = int((marks / "pids").read_text()) if case == "child" else None
+        session.send_signal(sig)
+        out, _ = session.communicate(timeout=60)
+    finally:
+        if session.poll() is None:
+            session.kill()
+    assert not (marks / "after").exists(), f"the session went on after {sig.name}:\n{out[-3000:]}"
+    assert session.returncode != 0 and f"signal {sig.name}" in out, out[-3000:]
+    if sleeper is not None:
+        deadline = time.monotonic() + 10
+        while _alive(sleeper) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(sleeper), "a grandchild of the stopped session is still running"
+
+
+KILLED_PARENT = '''
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from processes import run_child
+pid_file = sys.argv[2]
+run_child([sys.executable, "-c", f"import os, time; open({pid_file!r}, 'w').write(str(os.getpid())); time.sleep(600)"])
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_dies_with_a_killed_test_process(tmp_path: Path):
+    pid_file = tmp_path / "child"
+    (tmp_path / "parent.py").write_text(KILLED_PARENT)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(Path(__file__).parents[1]),
+                               str(pid_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert _alive(child)
+        parent.kill()  # SIGKILL: no handler runs
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from processes import run_child
 import torch
 from conftest import (
     CHEAP,
@@ -343,13 +345,12 @@ PREPARATION_ERRORS = [
 
 @pytest.mark.parametrize("module,name,text,words", PREPARATION_ERRORS)
 def test_preparation_commands_end_a_user_error_in_one_line(tmp_path, module, name, text, words):
-    import subprocess
     import sys
 
     raw = tmp_path / name
     raw.write_text(text)
     dataset = {"sessions": ["rsc15"], "sequences": ["ml-1m"], "criteo": []}[module.split(".")[2]]
-    done = subprocess.run([sys.executable, "-m", module, *dataset, "--raw", str(raw), "--out",
+    done = run_child([sys.executable, "-m", module, *dataset, "--raw", str(raw), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()

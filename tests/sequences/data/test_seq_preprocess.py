@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+
+from processes import run_child
 
 import recforge.data.sequences.prepared as prepared_module
 from recforge.data.sequences.prepared import (
@@ -447,7 +448,7 @@ def test_cli(tmp_path, capsys):
 
 def test_module_runs_as_a_script(tmp_path):
     raw = write(tmp_path / "ratings.dat", ML1M_RATINGS)
-    result = subprocess.run(
+    result = run_child(
         [sys.executable, "-m", "recforge.data.sequences.preprocess", "ml-1m", "--raw", str(raw),
          "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=120,

@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+from processes import run_child
 import torch
 
 from sequences.oracles import most_popular_hr
@@ -484,12 +486,11 @@ def test_refuses_an_unknown_kernel():
 ])
 def test_kernel_switch_errors_name_the_nested_key(override, message):
     """``model.attention.kernel=...`` as the issue's command line writes it: checked at start."""
-    import subprocess
     import sys
 
     from conftest import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "src/train.py", "model=hstu", override], cwd=REPO_ROOT,
+    done = run_child([sys.executable, "src/train.py", "model=hstu", override], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert message in done.stderr, done.stderr[-2000:]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from processes import run_child
 import torch
 
 from sequences.oracles import most_popular_hr
@@ -126,7 +128,6 @@ def test_ddp_two_cpu_processes_split_users_and_reduce_metrics(make_cfg, tmp_path
     import json
     import math
     import os
-    import subprocess
     import sys
 
     from conftest import CHEAP, REPO_ROOT
@@ -140,7 +141,7 @@ def test_ddp_two_cpu_processes_split_users_and_reduce_metrics(make_cfg, tmp_path
     cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *sizes, *CHEAP, "trainer.max_epochs=2",
            f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-6000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
     # epochs shorter than log_every_n_steps are normal here (known noise, recforge.utils.quiet)

@@ -1,0 +1,107 @@
+"""Stopping the test suite: Ctrl-C and SIGTERM end the session, and no child process outlives it.
+
+Two things kept a stopped suite going (issue 21):
+
+- Lightning answers a KeyboardInterrupt inside ``Trainer.fit`` by ignoring SIGINT for good and
+  calling ``sys.exit(1)``: in a test process that is one failed test, and every later Ctrl-C is
+  ignored. Lightning also takes SIGTERM over while it fits. The session's own handlers record the
+  signal first; after the test it arrived in, the session ends, whatever the test made of it.
+- A child started by a test (``src/train.py``, its DDP ranks, a converter's workers) was left
+  running when the test process stopped. :func:`run_child` starts each in a process group of its
+  own, ends the whole group on the way out (a normal end included: a rank left behind by a
+  child that crashed), and asks the kernel to kill the child if the test process dies without a
+  chance to clean up (SIGKILL).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+_received: list[int] = []
+
+
+def _record(signum, frame):
+    _received.append(signum)
+    # Every running test gets the same exception a terminal's Ctrl-C gives.
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def install_stop_handlers() -> None:
+    """SIGINT and SIGTERM recorded and raised as KeyboardInterrupt in the main thread."""
+    signal.signal(signal.SIGINT, _record)
+    signal.signal(signal.SIGTERM, _record)
+
+
+def stop_if_signalled() -> None:
+    """End the session if a stop signal arrived during the test that just ran."""
+    if _received:
+        name = signal.Signals(_received[0]).name
+        install_stop_handlers()  # Lightning may have left SIGINT ignored
+        pytest.exit(f"stopped by signal {name}", returncode=128 + _received[0])
+
+
+# The two as pytest hooks: tests/conftest.py imports them, a child session takes ``-p processes``.
+def pytest_sessionstart(session):
+    install_stop_handlers()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    result = yield
+    stop_if_signalled()
+    return result
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is empty
+        pass
+
+
+def _end_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM to the child's process group, SIGKILL to what is left after ``grace`` seconds."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
+def run_child(args, *, input=None, capture_output: bool = False, timeout: float | None = None,
+              check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` whose child, and every process it starts, ends with the call: on
+    return, on a timeout, on Ctrl-C or SIGTERM of the test process; and dies with it on SIGKILL."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    proc = subprocess.Popen(args, start_new_session=True, preexec_fn=_die_with_parent,
+                            stdin=subprocess.PIPE if input is not None else kwargs.pop("stdin", None), **kwargs)
+    try:
+        stdout, stderr = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        _end_group(proc, grace=0.5)
+        raise subprocess.TimeoutExpired(proc.args, timeout, exc.output, exc.stderr) from None
+    except BaseException:
+        _end_group(proc)
+        raise
+    finally:
+        _signal_group(proc, signal.SIGKILL)  # what the child left running
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if check:
+        done.check_returncode()
+    return done
