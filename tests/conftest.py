@@ -23,6 +23,12 @@ if os.environ.get("TRITON_INTERPRET") is None:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+# Every run the tests start, here or in a child process, computes with this process's thread count:
+# extras.threads=auto follows the machine's load at start, and tests compare runs value for value.
+if "OMP_NUM_THREADS" not in os.environ:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 # ---------------------------------------------------------------- tests in a process of their own

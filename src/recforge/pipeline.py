@@ -44,6 +44,7 @@ from recforge.contracts import DataModule
 from recforge.errors import UserInputError
 from recforge.runs import write_metrics
 from recforge.utils.allocator import apply_malloc_policy
+from recforge.utils.threads import apply_threads
 from recforge.utils.atomic import atomic_write_text
 from recforge.utils.config_tree import print_config_tree
 from recforge.utils.quiet import silence_known_noise
@@ -180,7 +181,7 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 @rank_zero_only
-def _announce(cfg: DictConfig, what: str, from_run: bool = False, malloc: str | None = None) -> None:
+def _announce(cfg: DictConfig, what: str, from_run: bool = False, settings: list[str] = ()) -> None:
     """At start: the config tree and where this run writes.
 
     ``from_run``: the config took sections from a checkpoint's run (resume, eval), so the one
@@ -194,8 +195,8 @@ def _announce(cfg: DictConfig, what: str, from_run: bool = False, malloc: str | 
         saved = run_dir / HydraConfig.get().output_subdir / "config.yaml"
         if saved.is_file():
             atomic_write_text(saved, OmegaConf.to_yaml(cfg))
-    if malloc:
-        log.info(malloc)
+    for line in settings:  # the process-wide settings chosen at start (allocator, threads)
+        log.info(line)
     log.info("%s; run directory: %s", what, run_dir)
 
 
@@ -205,10 +206,21 @@ def _seed(cfg: DictConfig) -> None:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
 
 
-def _malloc(cfg: DictConfig) -> str:
+def _process_settings(cfg: DictConfig) -> list[str]:
     # before the data and the model are built: their allocations are the first large ones
     extras = cfg.get("extras") or {}
-    return apply_malloc_policy(extras.get("malloc", "keep"))
+    return [apply_malloc_policy(extras.get("malloc", "keep")),
+            apply_threads(extras.get("threads", "auto"), _processes_here(cfg))]
+
+
+def _processes_here(cfg: DictConfig) -> int:
+    """The run's processes on this machine that share its CPUs: ranks of a CPU run (ddp_cpu,
+    model_parallel_cpu); one process per GPU leaves the CPUs to that one process each."""
+    trainer = cfg.get("trainer") or {}
+    devices = trainer.get("devices")
+    if trainer.get("accelerator") == "cpu" and isinstance(devices, int) and devices > 1:
+        return devices
+    return 1
 
 
 def _silence(cfg: DictConfig) -> None:
@@ -234,7 +246,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             "hardware=model_parallel_cpu or model_parallel, with trainer.devices=1 "
             "trainer.strategy.tensor_parallel_size=1 for one process"
         )
-    malloc = _malloc(cfg)
+    settings = _process_settings(cfg)
     _seed(cfg)
     datamodule, task = _build(cfg)
     do_fit, do_test = cfg.get("train", True), cfg.get("test", True)
@@ -246,7 +258,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if resume is not None:
         check_resumable(task, resume, cfg, run_cfg, do_fit)
     # every value, file and combination has passed: a refused run's one line is all it prints
-    _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None, malloc=malloc)
+    _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None, settings=settings)
     loggers = _instantiate_group(cfg.get("logger"))
     try:
         trainer = _trainer(cfg, callbacks, loggers, has_validation)
@@ -288,12 +300,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     run_cfg = run_config_for(ckpt_path, cfg.get("run_config"))
     cfg = with_run_experiment(cfg, run_cfg)
     check_config(cfg)
-    malloc = _malloc(cfg)
+    settings = _process_settings(cfg)
     _seed(cfg)
     datamodule, task = _build(cfg)
     _read_inputs(datamodule, fit=False, test=True)
     check_weights_fit(task, load_checkpoint(ckpt_path), ckpt_path, cfg, run_cfg)
-    _announce(cfg, f"testing {ckpt_path}", from_run=True, malloc=malloc)
+    _announce(cfg, f"testing {ckpt_path}", from_run=True, settings=settings)
     if is_distributed_checkpoint(ckpt_path) and not uses_device_mesh(cfg):
         # one process without a mesh reads a sharded run's checkpoint as one file, tables whole
         ckpt_path = consolidate_checkpoint(ckpt_path, output_dir(cfg) / "checkpoints" / f"{ckpt_path.name}.whole")

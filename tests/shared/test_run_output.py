@@ -45,6 +45,8 @@ def test_default_run_prints_its_config_and_directory_before_training(tmp_path: P
     if platform.libc_ver()[0] == "glibc" and not set(USER_VARIABLES) & set(os.environ):
         # extras.malloc=keep by default, said once, with how to turn it off
         assert everything.count("malloc: freed memory kept for reuse") == 1
+        # the thread count, said once (the tests pin it through OMP_NUM_THREADS)
+        assert everything.count(f"threads: {os.environ['OMP_NUM_THREADS']} (OMP_NUM_THREADS") == 1
         assert everything.index("malloc: freed memory kept for reuse") < said
     assert not _noise(everything), _noise(everything)
     assert (run_dir / "metrics.json").exists()
