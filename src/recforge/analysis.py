@@ -144,8 +144,8 @@ def _resolved_key(path: Path, key: str) -> str | None:
     try:
         value = OmegaConf.select(OmegaConf.create(raw), key, throw_on_resolution_failure=True)
     except OmegaConfBaseException:
-        # An interpolation into Hydra's runtime (${hydra:...}) resolves only inside the job; the
-        # raw text still tells a reader more than nothing.
+        # A key the saved file lacks, or Hydra's runtime (${hydra:...}) outside the job: the raw
+        # text still tells a reader more than nothing.
         value = raw.get(key)
     return str(value) if value else None
 

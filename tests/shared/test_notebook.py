@@ -199,10 +199,10 @@ def test_optimized_metric_is_resolved_as_the_job_resolved_it(tmp_path: Path):
               "callbacks": {"mode": "${recforge_metric_mode:${optimized_metric}}"}}
     _write_job(sweep, "0", ["model=hstu"], {"val/ndcg@10": 0.5}, None, config=config)
     assert optimized_metric(sweep) == "val/ndcg@10"
-    # an interpolation that only a running job can resolve comes back as written
+    # an interpolation the saved config cannot resolve (a key it lacks) comes back as written
     other = tmp_path / "other"
-    _write_job(other, "0", ["model=hstu"], None, None, config={"optimized_metric": "${hydra:job.name}"})
-    assert optimized_metric(other) == "${hydra:job.name}"
+    _write_job(other, "0", ["model=hstu"], None, None, config={"optimized_metric": "${evaluation.monitor}"})
+    assert optimized_metric(other) == "${evaluation.monitor}"
 
 
 def test_each_family_gets_its_own_metrics_by_default():
