@@ -44,10 +44,10 @@ from recforge.contracts import DataModule
 from recforge.errors import UserInputError
 from recforge.runs import write_metrics
 from recforge.utils.allocator import apply_malloc_policy
-from recforge.utils.threads import apply_threads
 from recforge.utils.atomic import atomic_write_text
 from recforge.utils.config_tree import print_config_tree
 from recforge.utils.quiet import silence_known_noise
+from recforge.utils.threads import apply_threads
 
 log = logging.getLogger(__name__)
 

@@ -73,13 +73,12 @@ def _carried_over(state: dict[str, Any], old_dir: Path, new_dir: Path, mode: str
         best_k[str(new_path)] = score
     carried = {"best_k_models": best_k, "last_model_path": ""}
     if best_k:
-        best, worst = (max, min) if mode == "max" else (min, max)
-        best_path = best(best_k, key=lambda p: float(best_k[p]))
-        kth_path = worst(best_k, key=lambda p: float(best_k[p]))  # read only once best_k holds k
+        ranked = sorted(best_k, key=lambda p: float(best_k[p]), reverse=mode == "max")
+        best_path, kth_path = ranked[0], ranked[-1]  # the k-th is read only once best_k holds k
         carried.update(best_model_path=best_path, best_model_score=best_k[best_path],
                        kth_best_model_path=kth_path, kth_value=best_k[kth_path])
-        best = best_path
-        log.info("resumed run: best %s %s carried over from %s", state.get("monitor"), float(best_k[best]), old_dir)
+        log.info("resumed run: best %s %s carried over from %s", state.get("monitor"),
+                 float(best_k[best_path]), old_dir)
     else:
         carried.update(best_model_path="", best_model_score=None)
     return carried

@@ -4,7 +4,7 @@ PyTorch starts one OpenMP thread per core and lets idle ones spin while they wai
 parallel region. Beside another CPU-bound job the threads then wait on cores that job holds, and a
 small-step run collapses: GRU4Rec's default run on a 2-core box with one busy process beside it
 fell from ~7,000 to ~1,700 events/s at 2 threads, while at 1 thread it kept ~7,900
-(benchmarks/README.md, "Beside another job"). So ``auto`` (the default) counts the CPUs that are
+(benchmarks/README.md, `busy_machine.py`). So ``auto`` (the default) counts the CPUs that are
 free when the run starts: the CPUs this process may use, less those the rest of the machine kept
 busy over a quarter of a second (``/proc/stat``), shared among the run's processes on this
 machine, at least one. An integer sets the count; the environment's ``OMP_NUM_THREADS`` wins over
