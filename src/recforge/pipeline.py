@@ -22,6 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 
 import recforge.utils.resolvers  # noqa: F401 - registers the config resolvers
 from recforge.callbacks.run_config import RunConfigInCheckpoint
+from recforge.callbacks.wandb_run import (
+    WandbRunInCheckpoint,
+    continue_wandb_run,
+    finish_wandb_run,
+    wandb_logger_nodes,
+)
 from recforge.checkpoints import (
     check_resumable,
     check_weights_fit,
@@ -136,6 +142,8 @@ def _callbacks(cfg: DictConfig, has_validation: bool) -> list[L.Callback]:
             node.model_checkpoint.monitor = None
     callbacks = _instantiate_group(node)
     callbacks.append(RunConfigInCheckpoint(OmegaConf.to_container(cfg, resolve=True)))
+    if wandb_logger_nodes(cfg.get("logger")):
+        callbacks.append(WandbRunInCheckpoint())
     return callbacks
 
 
@@ -158,16 +166,6 @@ def _check_stops(cfg: DictConfig, callbacks: list[L.Callback]) -> None:
 def _trainer(cfg: DictConfig, callbacks: list, loggers: list, has_validation: bool = True) -> L.Trainer:
     extra = {} if has_validation else {"limit_val_batches": 0, "num_sanity_val_steps": 0}
     return instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
-
-
-def _finish_wandb() -> None:
-    # One W&B run per Hydra job: a run left open would swallow the next multirun job's logs.
-    try:
-        import wandb
-    except ImportError:
-        return
-    if wandb.run is not None:
-        wandb.finish()
 
 
 def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -259,7 +257,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         check_resumable(task, resume, cfg, run_cfg, do_fit)
     # every value, file and combination has passed: a refused run's one line is all it prints
     _announce(cfg, f"resuming {resume}" if resume else "training", from_run=resume is not None, settings=settings)
+    if resume is not None and wandb_logger_nodes(cfg.get("logger")):
+        continue_wandb_run(cfg.get("logger"), load_checkpoint(resume), resume)
     loggers = _instantiate_group(cfg.get("logger"))
+    trainer, outcome = None, "failed"
     try:
         trainer = _trainer(cfg, callbacks, loggers, has_validation)
         for logger in trainer.loggers:
@@ -288,9 +289,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if trainer.is_global_zero:
             path = write_metrics(output_dir(cfg), metrics)
             log.info("metrics: %s", path)
+        outcome = "finished"
         return metrics
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
     finally:
-        _finish_wandb()
+        # Lightning ends an interrupted fit with sys.exit(1): its state says it was Ctrl-C
+        finish_wandb_run("interrupted" if trainer is not None and trainer.interrupted else outcome)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -311,6 +317,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         ckpt_path = consolidate_checkpoint(ckpt_path, output_dir(cfg) / "checkpoints" / f"{ckpt_path.name}.whole")
         log.info("read the distributed checkpoint into %s", ckpt_path)
     loggers = _instantiate_group(cfg.get("logger"))
+    trainer, outcome = None, "failed"
     try:
         trainer = _trainer(cfg, [], loggers)
         trainer.test(task, datamodule=datamodule, ckpt_path=str(ckpt_path))
@@ -319,9 +326,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         if trainer.is_global_zero:
             path = write_metrics(output_dir(cfg), metrics)
             log.info("metrics: %s", path)
+        outcome = "finished"
         return metrics
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
     finally:
-        _finish_wandb()
+        finish_wandb_run("interrupted" if trainer is not None and trainer.interrupted else outcome)
 
 
 def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:

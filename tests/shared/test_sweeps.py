@@ -117,8 +117,15 @@ def test_multirun_with_every_logger_gives_each_job_its_own_wandb_run(tmp_path: P
     assert done.returncode == 0, done.stderr[-4000:]
     sweep_dir = _only_sweep(checkout)
     assert len(_summary(sweep_dir)) == 2
-    for job in ("0", "1"):
+    for job, loss in (("0", "xe"), ("1", "bprmax")):
         job_dir = sweep_dir / job
         assert len(list((job_dir / "wandb").glob("offline-run-*"))) == 1, job
         assert list((job_dir / "tensorboard").rglob("events.out.tfevents.*")), job
         assert (job_dir / "csv" / "metrics.csv").exists(), job
+        # the W&B run as configured: grouped by the sweep, named by the job's overrides
+        (hparams,) = (job_dir / "csv").rglob("hparams.yaml")
+        wandb_cfg = yaml.safe_load(hparams.read_text())["logger"]["wandb"]
+        assert wandb_cfg["group"] == f"train/multiruns/{sweep_dir.name}", job
+        assert wandb_cfg["name"] == f"logger=many_loggers,loss={loss}", job
+        (run_file,) = (job_dir / "wandb").glob("offline-run-*/run-*.wandb")
+        assert f"train/multiruns/{sweep_dir.name}".encode() in run_file.read_bytes(), job

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 
@@ -33,6 +35,24 @@ def wandb_offline() -> bool:
     return True
 
 
+def wandb_group(task_name: str) -> str:
+    """The W&B group of a run: one per sweep (``-m``), named after the sweep's directory
+    (``train/multiruns/<time>``), so a sweep's jobs sit together; a single run's is its task."""
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return f"{task_name}/multiruns/{Path(str(hydra_cfg.sweep.dir)).name}"
+    return task_name
+
+
+def wandb_name() -> str | None:
+    """The W&B run name: the job's command-line overrides (``model=hstu,trainer.max_epochs=2``),
+    which is what tells a sweep's jobs apart; None (W&B picks a name) when there are none."""
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().job.override_dirname) or None
+    return None
+
+
 # Metrics that are better when smaller; every other logged metric (recall, NDCG, AUC, accuracy)
 # is better when larger.
 _MINIMISED = ("loss", "logloss")
@@ -50,6 +70,10 @@ def register() -> None:
         OmegaConf.register_new_resolver("recforge_launch_dir", launch_dir)
     if not OmegaConf.has_resolver("recforge_wandb_offline"):
         OmegaConf.register_new_resolver("recforge_wandb_offline", wandb_offline)
+    if not OmegaConf.has_resolver("recforge_wandb_group"):
+        OmegaConf.register_new_resolver("recforge_wandb_group", wandb_group)
+    if not OmegaConf.has_resolver("recforge_wandb_name"):
+        OmegaConf.register_new_resolver("recforge_wandb_name", wandb_name)
     if not OmegaConf.has_resolver("recforge_metric_mode"):
         OmegaConf.register_new_resolver("recforge_metric_mode", metric_mode)
 
