@@ -1,4 +1,5 @@
-"""Read a finished sweep back for analysis (used by notebooks/1.0-sweep-analysis.ipynb).
+"""Read a finished sweep back for analysis (used by notebooks/1.0-sweep-analysis.ipynb), and
+recforge-against-reference runs (benchmarks/*_reference.py ``--json``) for the README's figures.
 
 A sweep directory is what ``python src/train.py -m ...`` leaves in
 ``<log_dir>/<task_name>/multiruns/<time>/``: one sub-directory per job (``.hydra/overrides.yaml``,
@@ -324,6 +325,67 @@ def plot_learning_curves(
     axes[0][0].legend(fontsize="small")
     fig.suptitle("learning curves" if x == "epoch" else f"per {x}")
     fig.tight_layout()
+    return fig
+
+
+def load_reference_runs(path: str | Path) -> pd.DataFrame:
+    """Whole runs of recforge and a reference implementation, as ``benchmarks/gru4rec_reference.py
+    --json`` writes them: one row per run (``config``, ``seed``, ``arm``, ``wall_s`` and the test
+    metrics), with the file's settings (``threads``, ``malloc``, ``epochs``) in ``.attrs``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference runs not found: {path} (benchmarks/gru4rec_reference.py --json writes it)")
+    record = yaml.safe_load(path.read_text())  # JSON is YAML
+    if not isinstance(record, dict) or not record.get("runs"):
+        raise ValueError(f"{path}: expected a JSON object with a non-empty 'runs' list")
+    runs = pd.DataFrame(record["runs"])
+    missing = {"config", "arm", "wall_s"} - set(runs.columns)
+    if missing:
+        raise ValueError(f"{path}: runs lack {sorted(missing)}")
+    runs.attrs.update({k: v for k, v in record.items() if k != "runs"})
+    return runs
+
+
+def plot_against_reference(
+    runs: pd.DataFrame, metrics: Sequence[str], reference_arm: str = "official",
+    title: str = "whole runs against the reference",
+) -> Figure:
+    """Bars per config and arm: the median wall time (whiskers: fastest and slowest run, and the
+    reference's median over the arm's above each bar) and the mean of each metric (whiskers: the
+    seed range). The reference arm is drawn first."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    arms = [reference_arm] + [a for a in dict.fromkeys(runs["arm"]) if a != reference_arm]
+    configs = list(dict.fromkeys(runs["config"]))
+    panels = ["wall_s", *metrics]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
+    width = 0.8 / len(arms)
+    for ax, column in zip(axes[0], panels):
+        for k, arm in enumerate(arms):
+            x = np.arange(len(configs)) + (k - (len(arms) - 1) / 2) * width
+            groups = [runs[(runs["config"] == c) & (runs["arm"] == arm)][column] for c in configs]
+            centre = [g.median() if column == "wall_s" else g.mean() for g in groups]
+            low = [c - g.min() for c, g in zip(centre, groups)]
+            high = [g.max() - c for c, g in zip(centre, groups)]
+            bars = ax.bar(x, centre, width, yerr=[low, high], capsize=3, label=arm)
+            if column == "wall_s" and arm != reference_arm:
+                for bar, config, own in zip(bars, configs, centre):
+                    reference = runs[(runs["config"] == config) & (runs["arm"] == reference_arm)]["wall_s"].median()
+                    ax.annotate(f"{reference / own:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize="small", xytext=(0, 8), textcoords="offset points")
+        ax.set_xticks(np.arange(len(configs)), configs)
+        ax.set_ylabel("wall seconds (median)" if column == "wall_s" else f"{column} (mean)")
+        if column != "wall_s":
+            values = runs[column].dropna()
+            spread = max(values.max() - values.min(), 1e-3)
+            ax.set_ylim(values.min() - 2 * spread, values.max() + spread)
+        ax.grid(True, axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(arms), frameon=False)
+    settings = ", ".join(f"{k} {runs.attrs[k]}" for k in ("threads", "malloc", "epochs") if k in runs.attrs)
+    fig.suptitle(f"{title} ({settings})" if settings else title)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 
