@@ -164,6 +164,30 @@ def test_the_staging_directory_of_a_killed_build_is_removed(tmp_path):
     assert not killed.exists() and other.exists()
 
 
+def test_the_lock_files_a_killed_build_left_are_removed_unless_held(tmp_path):
+    import fcntl
+    import signal
+    import sys
+
+    from processes import run_child
+
+    # a build SIGKILLed while it held its lock: the kernel releases the lock, the file stays
+    code = ("import fcntl, os, signal, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    killed = tmp_path / ".criteo_a.lock"
+    done = run_child([sys.executable, "-c", code, str(killed)], timeout=60)
+    assert done.returncode == -signal.SIGKILL and killed.exists()
+    held = tmp_path / ".criteo_b.lock"  # another build, running
+    holder = open(held, "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        build_once(tmp_path / "criteo_c", Builder(), current)
+        assert not killed.exists() and held.exists()
+        assert names(tmp_path) == [".criteo_b.lock", "criteo_c"]
+    finally:
+        holder.close()
+
+
 def test_published_files_take_the_umask_mode(tmp_path):
     mask = os.umask(0)
     os.umask(mask)

@@ -173,11 +173,37 @@ def _locked(target: Path) -> Iterator[None]:
         except FileNotFoundError:
             pass
         handle.close()
+    _remove_stale_locks(target.parent, keep=path)
     try:
         yield
     finally:
         path.unlink(missing_ok=True)
         handle.close()
+
+
+def _remove_stale_locks(directory: Path, keep: Path) -> None:
+    """Remove the lock files of other targets that no process holds: a build that was SIGKILLed
+    cannot remove its own. One that is held, or that its holder is removing, is left alone."""
+    for path in directory.glob(".*.lock"):
+        if path == keep:
+            continue
+        try:
+            handle = open(path, "a")
+        except OSError:
+            continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a build is running
+            handle.close()
+            continue
+        try:
+            # still the file at that path (not removed and replaced meanwhile): no one holds it
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        finally:
+            handle.close()
 
 
 def _is_staging_of(entry: Path, name: str) -> bool:
