@@ -100,7 +100,11 @@ def test_only_wandb_loggers_are_found():
     assert wandb_logger_nodes(None) == []
 
 
-def test_outside_hydra_a_run_keeps_its_task_as_group_and_no_name():
+def test_outside_hydra_a_run_keeps_its_task_as_group_and_no_name(monkeypatch):
+    from hydra.core.hydra_config import HydraConfig
+
+    # another test of the session may have set Hydra's global config
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)
     assert wandb_group("train") == "train"
     assert wandb_name() is None
 

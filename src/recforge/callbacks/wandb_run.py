@@ -4,6 +4,8 @@
 * A resumed run (``ckpt_path=...``) continues that W&B run when W&B is online
   (:func:`continue_wandb_run`). W&B cannot resume an offline run: the resumed run is then a new
   W&B run, which says so in one log line and in its W&B notes, naming the run it continues.
+* :class:`WandbLogger` is Lightning's, less the ``anonymous=None`` it passes to ``wandb.init`` on
+  every run: wandb 0.31 prints "The anonymous setting has no effect" for any value given.
 * :func:`finish_wandb_run` ends the run with the job's outcome. Lightning turns Ctrl-C into
   ``sys.exit(1)`` after closing its loggers, and ``wandb.finish()`` without an exit code records 0,
   so an interrupted run used to look finished. Now it is marked preempting (W&B shows it as
@@ -18,17 +20,30 @@ from pathlib import Path
 from typing import Literal
 
 import lightning as L
+from lightning.pytorch.loggers.wandb import WandbLogger as LightningWandbLogger
 from omegaconf import DictConfig, open_dict
 
 log = logging.getLogger(__name__)
 
 Outcome = Literal["finished", "failed", "interrupted"]
 EXIT_CODES = {"finished": 0, "failed": 1, "interrupted": 130}
-WANDB_LOGGER_TARGET = "lightning.pytorch.loggers.wandb.WandbLogger"
+WANDB_LOGGER_TARGETS = ("recforge.callbacks.wandb_run.WandbLogger", "lightning.pytorch.loggers.wandb.WandbLogger",
+                        "lightning.pytorch.loggers.WandbLogger")
+
+
+class WandbLogger(LightningWandbLogger):
+    """Lightning's W&B logger (conf/logger/wandb.yaml), without the ``anonymous=None`` that it
+    passes to ``wandb.init`` on every run: the value means "not anonymous", as leaving it out does,
+    but wandb 0.31 warns "The anonymous setting has no effect" whenever it is given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
 
 def _wandb_loggers(trainer: L.Trainer) -> list:
-    return [lg for lg in trainer.loggers if type(lg).__name__ == "WandbLogger"]
+    return [lg for lg in trainer.loggers if isinstance(lg, LightningWandbLogger)]
 
 
 class WandbRunInCheckpoint(L.Callback):
@@ -50,7 +65,7 @@ def wandb_logger_nodes(logger_cfg: DictConfig | None) -> list[DictConfig]:
     if not logger_cfg:
         return []
     return [node for node in logger_cfg.values()
-            if isinstance(node, DictConfig) and node.get("_target_") == WANDB_LOGGER_TARGET]
+            if isinstance(node, DictConfig) and node.get("_target_") in WANDB_LOGGER_TARGETS]
 
 
 def continue_wandb_run(logger_cfg: DictConfig | None, checkpoint: dict, ckpt_path: Path) -> None:

@@ -53,16 +53,25 @@ def pair_indices(n_features: int, itself: bool = False, device: torch.device | s
 
     ``torch.tril_indices(F, F, -1)`` (``0`` with ``itself``) walks the triangle row by row, which
     is the reference's order; the flat form lets one ``index_select`` gather them (its backward is
-    an ``index_add``, cheaper than advanced indexing's accumulate-put). Cached per device.
+    an ``index_add``, cheaper than advanced indexing's accumulate-put). Cached per device, outside
+    ``torch.compile``: traced, the lookup became a guard on the cache's keys that the trace's own
+    store then broke, so the first compiled call was always compiled twice; the compiled graph
+    computes the indices itself.
     """
     device = torch.device(device)
+    if torch.compiler.is_compiling():
+        return _pair_positions(n_features, itself, device)
     key = (n_features, bool(itself), device)
     flat = _PAIR_CACHE.get(key)
     if flat is None:
-        rows, cols = torch.tril_indices(n_features, n_features, offset=0 if itself else -1)
-        flat = (rows * n_features + cols).to(device)
+        flat = _pair_positions(n_features, itself, device)
         _PAIR_CACHE[key] = flat
     return flat
+
+
+def _pair_positions(n_features: int, itself: bool, device: torch.device) -> Tensor:
+    rows, cols = torch.tril_indices(n_features, n_features, offset=0 if itself else -1)
+    return (rows * n_features + cols).to(device)
 
 
 def dot_interaction_reference(dense: Tensor, embeddings: Tensor, itself: bool = False) -> Tensor:

@@ -649,6 +649,15 @@ class DLRM(nn.Module):
             return self._dense_path(dense, embeddings)
         if self._compiled is None:
             self._compiled = torch.compile(self._dense_path)
+        # The batch dimension is dynamic from the first call: left static, dynamo compiled the
+        # first batch size alone and compiled again at the next one (an epoch's last batch, the
+        # evaluation batches), each compile counting towards torch._dynamo's recompile limit (8).
+        # Now one graph per autograd mode (training, no_grad validation, inference_mode test)
+        # serves every batch size, bar a batch of one row (PyTorch specialises sizes 0 and 1) and
+        # the size ranges inductor itself may split on (on CPU: a training batch over 4096 rows).
+        # maybe_mark_dynamic: a hint, not a demand, so that a size the graph must fix is no error.
+        torch._dynamo.maybe_mark_dynamic(dense, 0)
+        torch._dynamo.maybe_mark_dynamic(embeddings, 0)
         return self._compiled(dense, embeddings)
 
     def __getstate__(self) -> dict:
