@@ -80,6 +80,8 @@ class DataModule(Protocol):
     ``task_inputs()``: the task's constructor arguments it provides, its return type one of the
     TypedDicts above. ``train_dataloader()`` resumes inside an epoch (its state travels in
     checkpoints); ``state_dict()`` is the data's identity, checked by ``load_state_dict``.
+    ``check_trainable(min_batch_rows)`` refuses, before the run starts, training data with no
+    mini-batch of the task's ``min_batch_rows``.
     """
 
     batch_type: ClassVar[type]
@@ -94,6 +96,8 @@ class DataModule(Protocol):
     def val_dataloader(self) -> Iterable: ...
 
     def test_dataloader(self) -> Iterable: ...
+
+    def check_trainable(self, min_batch_rows: int) -> None: ...
 
     def state_dict(self) -> dict: ...
 

@@ -47,6 +47,7 @@ from recforge.config_checks import (
 )
 from recforge.config_values import check_config_values
 from recforge.contracts import DataModule
+from recforge.distributed.launched_ranks import end_with_rank_zero
 from recforge.errors import UserInputError
 from recforge.runs import write_metrics
 from recforge.utils.allocator import apply_malloc_policy
@@ -230,6 +231,7 @@ def _silence(cfg: DictConfig) -> None:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit, then test the best checkpoint; write metrics.json; return the metrics."""
     started = time.perf_counter()
+    end_with_rank_zero()
     _silence(cfg)
     resume = checkpoint_path(cfg)
     run_cfg = None
@@ -252,6 +254,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     has_validation = datamodule.has_validation
     callbacks = _callbacks(cfg, has_validation)
     if do_fit:
+        datamodule.check_trainable(task.min_batch_rows)
         _check_stops(cfg, callbacks)
     if resume is not None:
         check_resumable(task, resume, cfg, run_cfg, do_fit)
@@ -301,6 +304,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Test a checkpoint with its run's data and model; write metrics.json; return the metrics."""
+    end_with_rank_zero()
     _silence(cfg)
     ckpt_path = checkpoint_path(cfg)
     run_cfg = run_config_for(ckpt_path, cfg.get("run_config"))

@@ -193,3 +193,97 @@ def test_a_child_dies_with_a_killed_test_process(tmp_path: Path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_ranks_lightning_started_end_when_rank_zero_is_killed(tmp_path: Path):
+    """``hardware=ddp_cpu``: Lightning starts rank 1 as a child of the command. SIGKILL the command
+    (rank 0, no handler runs): rank 1 ends too. (On gloo its next collective also fails once rank 0
+    is gone, so this holds without end_with_rank_zero, which the test above checks on its own: it
+    covers a rank outside a collective and NCCL's long timeout.)"""
+    from conftest import TINY_RUN, user_checkout
+
+    checkout = user_checkout(tmp_path / "repo", TINY_RUN)  # 10 batches an epoch
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop(ISOLATED_CHILD, None)
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    rank0 = subprocess.Popen(  # trains until stopped
+        [sys.executable, "src/train.py", "hardware=ddp_cpu", "trainer.max_epochs=100000"],
+        cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    rank1 = None
+    try:
+        deadline = time.monotonic() + 180
+        while rank1 is None or not list((checkout / "outputs").rglob("epoch_000.ckpt")):
+            assert rank0.poll() is None, "the DDP run ended by itself"
+            assert time.monotonic() < deadline, "the DDP run did not finish an epoch"
+            rank1 = rank1 or next(iter(_children(rank0.pid)), None)
+            time.sleep(0.2)
+        assert _alive(rank1)
+        rank0.kill()
+        rank0.wait()
+        deadline = time.monotonic() + 30
+        while _alive(rank1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(rank1), "rank 1 outlived its SIGKILLed rank 0"
+    finally:
+        for pid in [rank0.pid, *([rank1] if rank1 else [])]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+RANK_PARENT = '''
+import os, subprocess, sys, time
+env = {**os.environ, "LOCAL_RANK": sys.argv[2], "WORLD_SIZE": "2"}
+code = ("from recforge.distributed.launched_ranks import end_with_rank_zero; import os, sys, time; "
+        "asked = end_with_rank_zero(); open(sys.argv[1], 'w').write(f'{os.getpid()} {asked}'); time.sleep(600)")
+subprocess.Popen([sys.executable, "-c", code, sys.argv[1]], env=env)
+time.sleep(600)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("local_rank, ends", [("1", True), ("0", False)])
+def test_a_launched_rank_asks_to_end_with_its_parent(tmp_path: Path, local_rank: str, ends: bool):
+    """A process started as rank 1 (LOCAL_RANK=1, as Lightning's launcher starts it) that calls
+    end_with_rank_zero dies when its parent is SIGKILLed; rank 0's own process asks nothing."""
+    mark = tmp_path / "child"
+    (tmp_path / "parent.py").write_text(RANK_PARENT)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", ISOLATED_CHILD)}
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(mark), local_rank], env=env,
+                              start_new_session=True)
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() or not mark.read_text():
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.05)
+        pid, asked = mark.read_text().split()
+        child = int(pid)
+        assert asked == str(ends)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(child) != ends
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)

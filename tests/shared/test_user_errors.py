@@ -102,7 +102,6 @@ def test_too_few_sessions_for_the_loss_are_refused_before_a_step(tmp_path, files
         _cfg(tmp_path, *_rsc15(files, train="single"), "task.n_sample=0"),
         r"^data\.train_path=.*single\.txt: nothing to train on: no mini-batch has the 2 sessions of two "
         r"or more events that the loss needs",
-        announced=True,  # the loader learns the loss's batch floor from the Trainer's module
     )
 
 

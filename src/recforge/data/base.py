@@ -99,6 +99,11 @@ class RecDataModule(L.LightningDataModule):
         later anyway says False until then, and calls :meth:`check_identity` once it has read it."""
         return True
 
+    def check_trainable(self, min_batch_rows: int) -> None:
+        """Refuse, in one line before the run starts, training data that has no mini-batch of the
+        ``min_batch_rows`` rows the task's loss needs (the pipeline calls it after reading the
+        inputs). A data module whose every mini-batch qualifies has nothing to check."""
+
     def state_dict(self) -> dict:
         return self.identity()
 

@@ -203,12 +203,21 @@ class SessionDataModule(RecDataModule):
             arrays, arrays.partition(rank, world), self.batch_size, min_rows, pad_to
         )
         if world == 1 and len(steps) == 0:
-            raise UserInputError(
-                f"data.train_path={self.train_path}: nothing to train on: no mini-batch has the "
-                f"{min_rows} sessions of two or more events that the loss needs (the mini-batch's "
-                "own targets are its only negatives without task.n_sample)"
-            )
+            raise self._nothing_to_train(min_rows)
         return self.resumable(steps if self.steps_per_batch == 1 else GroupedSteps(steps, self.steps_per_batch))
+
+    def check_trainable(self, min_batch_rows: int) -> None:
+        # the whole training split, before a rank takes its share: none of them could train
+        arrays = self.split("train")
+        if count_steps(arrays.offsets, arrays.partition(0, 1), self.batch_size, min_batch_rows) == 0:
+            raise self._nothing_to_train(min_batch_rows)
+
+    def _nothing_to_train(self, min_rows: int) -> UserInputError:
+        return UserInputError(
+            f"data.train_path={self.train_path}: nothing to train on: no mini-batch has the "
+            f"{min_rows} sessions of two or more events that the loss needs (the mini-batch's "
+            "own targets are its only negatives without task.n_sample)"
+        )
 
     def eval_dataloader(self, split: str) -> SessionParallelSteps:
         arrays = self.split(split)
