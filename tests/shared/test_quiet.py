@@ -26,30 +26,20 @@ from recforge.utils.quiet import silence_known_noise
 NOISY_AT_DEBUG = ("filelock", "fsspec", "fsspec.local")
 
 
-@pytest.fixture
-def restore_logger_levels():
-    names = ["", "recforge", *NOISY_AT_DEBUG]
-    levels = {name: logging.getLogger(name).level for name in names}
-    yield
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
-
-
 @pytest.mark.parametrize("preset", ["default", "profiler"])
-def test_third_party_loggers_stay_quiet_under_the_debug_presets(
-    preset, make_cfg, tmp_path, caplog, restore_logger_levels
-):
+def test_third_party_loggers_stay_quiet_under_the_debug_presets(preset, make_cfg, tmp_path, caplog):
     import filelock
     import fsspec
 
     cfg = make_cfg(f"debug={preset}")
     root_level = cfg.hydra.job_logging.root.level
     assert root_level == "DEBUG"  # what the preset asks for: recforge's DEBUG lines
+    # every level through caplog, which puts it back after the test (the session's other tests
+    # would otherwise log at DEBUG)
     for name in NOISY_AT_DEBUG:
-        logging.getLogger(name).setLevel(logging.NOTSET)  # as a fresh process has them
-    logging.getLogger().setLevel(root_level)
+        caplog.set_level(logging.NOTSET, logger=name)  # as a fresh process has them
+    caplog.set_level(root_level)  # the root, as the preset sets it, and the capturing handler
     silence_known_noise()
-    caplog.set_level(logging.DEBUG)  # the handler's level; the root stays DEBUG
     with filelock.FileLock(tmp_path / "cache.lock"):  # torch.compile's caches lock every entry
         pass
     with fsspec.open(tmp_path / "epoch_000.ckpt", "wb") as f:  # how Lightning writes a checkpoint
@@ -60,14 +50,13 @@ def test_third_party_loggers_stay_quiet_under_the_debug_presets(
     assert "recforge's own debug line" in caplog.messages
 
 
-def test_a_level_the_config_gives_a_quiet_logger_is_kept(caplog, tmp_path, restore_logger_levels):
+def test_a_level_the_config_gives_a_quiet_logger_is_kept(caplog, tmp_path):
     import filelock
 
-    logging.getLogger().setLevel(logging.DEBUG)
-    # hydra.job_logging.loggers.filelock.level=DEBUG: a user debugging the lock itself
-    logging.getLogger("filelock").setLevel(logging.DEBUG)
-    silence_known_noise()
     caplog.set_level(logging.DEBUG)
+    # hydra.job_logging.loggers.filelock.level=DEBUG: a user debugging the lock itself
+    caplog.set_level(logging.DEBUG, logger="filelock")
+    silence_known_noise()
     with filelock.FileLock(tmp_path / "cache.lock"):
         pass
     assert any(record.name == "filelock" for record in caplog.records), caplog.messages
