@@ -53,6 +53,11 @@ def wandb_name() -> str | None:
     return None
 
 
+def negate(value) -> bool:
+    """``${recforge_not:${...}}``: the opposite of a boolean config value."""
+    return not bool(value)
+
+
 # Metrics that are better when smaller; every other logged metric (recall, NDCG, AUC, accuracy)
 # is better when larger.
 _MINIMISED = ("loss", "logloss")
@@ -74,6 +79,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("recforge_wandb_group", wandb_group)
     if not OmegaConf.has_resolver("recforge_wandb_name"):
         OmegaConf.register_new_resolver("recforge_wandb_name", wandb_name)
+    if not OmegaConf.has_resolver("recforge_not"):
+        OmegaConf.register_new_resolver("recforge_not", negate)
     if not OmegaConf.has_resolver("recforge_metric_mode"):
         OmegaConf.register_new_resolver("recforge_metric_mode", metric_mode)
 
