@@ -53,6 +53,23 @@ def _run_in_child(item: pytest.Item) -> None:
         pytest.fail(f"{item.nodeid} in its own process (rc {done.returncode}):\n{out[-6000:]}", pytrace=False)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    session.config._recforge_exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # An isolated child ends without the interpreter's teardown once pytest has printed its
+    # results: torch's profiler has segfaulted there after a passing test (rc -11, the results
+    # already written), which its parent took for a failure of the test. A crash inside the test
+    # still fails it: the child's results say so before this point.
+    status = getattr(config, "_recforge_exit_status", None)
+    if os.environ.get(ISOLATED_CHILD) and status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(ISOLATED_CHILD):
         return
