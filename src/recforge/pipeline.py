@@ -25,8 +25,8 @@ from recforge.callbacks.run_config import RunConfigInCheckpoint
 from recforge.callbacks.wandb_run import (
     WandbRunInCheckpoint,
     continue_wandb_run,
-    finish_wandb_run,
     wandb_logger_nodes,
+    wandb_run_ends_with_the_job,
 )
 from recforge.checkpoints import (
     check_resumable,
@@ -263,9 +263,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if resume is not None and wandb_logger_nodes(cfg.get("logger")):
         continue_wandb_run(cfg.get("logger"), load_checkpoint(resume), resume)
     loggers = _instantiate_group(cfg.get("logger"))
-    trainer, outcome = None, "failed"
-    try:
-        trainer = _trainer(cfg, callbacks, loggers, has_validation)
+    with wandb_run_ends_with_the_job() as job:
+        trainer = job.trainer = _trainer(cfg, callbacks, loggers, has_validation)
         for logger in trainer.loggers:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         metrics: dict[str, Any] = {}
@@ -292,14 +291,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if trainer.is_global_zero:
             path = write_metrics(output_dir(cfg), metrics)
             log.info("metrics: %s", path)
-        outcome = "finished"
         return metrics
-    except KeyboardInterrupt:
-        outcome = "interrupted"
-        raise
-    finally:
-        # Lightning ends an interrupted fit with sys.exit(1): its state says it was Ctrl-C
-        finish_wandb_run("interrupted" if trainer is not None and trainer.interrupted else outcome)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -321,22 +313,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         ckpt_path = consolidate_checkpoint(ckpt_path, output_dir(cfg) / "checkpoints" / f"{ckpt_path.name}.whole")
         log.info("read the distributed checkpoint into %s", ckpt_path)
     loggers = _instantiate_group(cfg.get("logger"))
-    trainer, outcome = None, "failed"
-    try:
-        trainer = _trainer(cfg, [], loggers)
+    with wandb_run_ends_with_the_job() as job:
+        trainer = job.trainer = _trainer(cfg, [], loggers)
         trainer.test(task, datamodule=datamodule, ckpt_path=str(ckpt_path))
         metrics: dict[str, Any] = _scalar_metrics(trainer.callback_metrics)
         metrics["test_checkpoint"] = str(ckpt_path)
         if trainer.is_global_zero:
             path = write_metrics(output_dir(cfg), metrics)
             log.info("metrics: %s", path)
-        outcome = "finished"
         return metrics
-    except KeyboardInterrupt:
-        outcome = "interrupted"
-        raise
-    finally:
-        finish_wandb_run("interrupted" if trainer is not None and trainer.interrupted else outcome)
 
 
 def metric_value(metrics: dict[str, Any], name: str | None) -> float | None:

@@ -17,6 +17,7 @@ from recforge.callbacks.wandb_run import (
     continue_wandb_run,
     finish_wandb_run,
     wandb_logger_nodes,
+    wandb_run_ends_with_the_job,
 )
 from recforge.utils.resolvers import wandb_group, wandb_name
 
@@ -45,6 +46,27 @@ def test_the_run_ends_with_the_jobs_outcome(monkeypatch, outcome, expected):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", _stand_in_wandb(calls))
     finish_wandb_run(outcome)
+    assert calls == expected
+
+
+@pytest.mark.parametrize("ending, expected", [
+    ("return", [("finish", 0)]),
+    ("error", [("finish", 1)]),
+    ("ctrl-c", ["mark_preempting", ("finish", 130)]),
+    ("lightning's ctrl-c", ["mark_preempting", ("finish", 130)]),  # sys.exit(1), trainer interrupted
+])
+def test_the_job_block_ends_the_run_as_the_job_ended(monkeypatch, ending, expected):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "wandb", _stand_in_wandb(calls))
+    raised = {"return": None, "error": ValueError, "ctrl-c": KeyboardInterrupt,
+              "lightning's ctrl-c": SystemExit}[ending]
+    try:
+        with wandb_run_ends_with_the_job() as job:
+            job.trainer = types.SimpleNamespace(interrupted=ending == "lightning's ctrl-c")
+            if raised is not None:
+                raise raised(1)
+    except BaseException as error:  # noqa: BLE001 - each ending re-raises what the block raised
+        assert raised is not None and isinstance(error, raised)
     assert calls == expected
 
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 import lightning as L
@@ -105,3 +108,20 @@ def finish_wandb_run(outcome: Outcome) -> None:
     if outcome == "interrupted":
         run.mark_preempting()
     wandb.finish(exit_code=EXIT_CODES[outcome])
+
+
+@contextmanager
+def wandb_run_ends_with_the_job() -> Iterator[SimpleNamespace]:
+    """Around a job's Trainer calls: at the end, :func:`finish_wandb_run` with how the block ended
+    (returned, raised, or Ctrl-C). Set ``job.trainer`` once it exists: Lightning ends an
+    interrupted fit or test with ``sys.exit(1)``, and only its state says it was Ctrl-C."""
+    job = SimpleNamespace(trainer=None)
+    outcome: Outcome = "failed"
+    try:
+        yield job
+        outcome = "finished"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+        raise
+    finally:
+        finish_wandb_run("interrupted" if job.trainer is not None and job.trainer.interrupted else outcome)

@@ -167,11 +167,8 @@ def _locked(target: Path) -> Iterator[None]:
     while True:
         handle = open(path, "a")
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
-                break
-        except FileNotFoundError:
-            pass
+        if _still_at(handle, path):
+            break
         handle.close()
     _remove_stale_locks(target.parent, keep=path)
     try:
@@ -196,14 +193,18 @@ def _remove_stale_locks(directory: Path, keep: Path) -> None:
         except OSError:  # held: a build is running
             handle.close()
             continue
-        try:
-            # still the file at that path (not removed and replaced meanwhile): no one holds it
-            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
-                path.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
-        finally:
-            handle.close()
+        if _still_at(handle, path):  # not removed (and made again) meanwhile: no one holds it
+            path.unlink(missing_ok=True)
+        handle.close()
+
+
+def _still_at(handle, path: Path) -> bool:
+    """Whether the locked file ``handle`` is still the one at ``path`` (a holder before us may
+    have removed it, and another process made a new one there)."""
+    try:
+        return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _is_staging_of(entry: Path, name: str) -> bool:
