@@ -146,8 +146,8 @@ def uses_device_mesh(cfg: DictConfig) -> bool:
 
 def _check_mesh(cfg: DictConfig, choices: dict[str, str] | None) -> None:
     """``hardware=model_parallel*``: the model must have tables to shard, and the mesh must be the
-    processes: ``devices = data_parallel_size x tensor_parallel_size`` (Lightning says so only once
-    the processes are up, as a traceback from each)."""
+    processes: ``devices x num_nodes = data_parallel_size x tensor_parallel_size`` (Lightning says
+    so only once the processes are up, as a traceback from each)."""
     if not uses_device_mesh(cfg):
         return
     trainer = cfg.get("trainer") or {}
@@ -159,16 +159,32 @@ def _check_mesh(cfg: DictConfig, choices: dict[str, str] | None) -> None:
         model = (choices or {}).get("model", "...")
         raise UserInputError(f"{option} splits DLRM's embedding tables across processes; model={model} "
                              "has none to split: use hardware=ddp_cpu or hardware=ddp")
-    dp, tp, devices = (strategy.get("data_parallel_size", "auto"), strategy.get("tensor_parallel_size", "auto"),
-                       trainer.get("devices", 1))
-    nodes = trainer.get("num_nodes", 1)
-    if (nodes if dp == "auto" else dp) != 1:
-        raise UserInputError(f"{option}: a data-parallel size of {nodes if dp == 'auto' else dp} (trainer.strategy."
-                             "data_parallel_size, auto: the nodes): only 1 is supported so far (every process "
-                             "splits the tables and reads the same batches)")
-    if isinstance(tp, int) and isinstance(devices, int) and devices > 0 and tp != devices * nodes:
-        raise UserInputError(f"{option}: trainer.devices={devices} cannot form a mesh of data_parallel_size=1 x "
-                             f"tensor_parallel_size={tp}; set trainer.strategy.tensor_parallel_size={devices * nodes}")
+    nodes, devices = trainer.get("num_nodes", 1), trainer.get("devices", 1)
+    sizes = {}
+    for name in ("data_parallel_size", "tensor_parallel_size"):
+        size = strategy.get(name, "auto")
+        if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise UserInputError(f"{option}: trainer.strategy.{name}={size}: expected a positive integer or auto")
+        sizes[name] = size
+    known = isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0
+    splits = sizes["tensor_parallel_size"] if sizes["tensor_parallel_size"] != "auto" else devices if known else None
+    if task.get("gradient_clip_val") and task.get("gradient_clip_algorithm", "norm") == "norm" and splits != 1:
+        # each process would scale its copy of the dense layers by a norm over its own rows
+        raise UserInputError(f"{option}: task.gradient_clip_algorithm=norm takes the norm over every table row, which "
+                             "no process holds here; use task.gradient_clip_algorithm=value, or hardware=ddp_cpu "
+                             "or hardware=ddp")
+    if not known:
+        return  # every GPU (devices=-1): Lightning counts them, and checks the product itself
+    # Lightning's auto: one data-parallel rank per node, the tables split across a node's devices
+    dp = nodes if sizes["data_parallel_size"] == "auto" else sizes["data_parallel_size"]
+    tp = devices if sizes["tensor_parallel_size"] == "auto" else sizes["tensor_parallel_size"]
+    world = devices * nodes
+    if dp * tp != world:
+        processes = f"trainer.devices={devices}" + (f" x trainer.num_nodes={nodes}" if nodes != 1 else "")
+        fix = (f"set trainer.strategy.tensor_parallel_size={world // dp}" if world % dp == 0 else
+               f"set trainer.devices x trainer.num_nodes to a multiple of data_parallel_size={dp}")
+        raise UserInputError(f"{option}: {processes} cannot form a mesh of data_parallel_size={dp} x "
+                             f"tensor_parallel_size={tp}; {fix}")
 
 
 def check_hardware(cfg: DictConfig, choices: dict[str, str] | None = None, cuda_devices: int | None = None) -> None:

@@ -7,11 +7,9 @@ import os
 import sys
 
 import pytest
-
-from processes import run_child
 import torch
-
 from conftest import CHEAP, REPO_ROOT
+from processes import run_child
 
 from recforge.config_checks import check_hardware
 from recforge.errors import UserInputError
@@ -24,7 +22,7 @@ SMALL = ["model=dlrm", "data.generator.n_rows=6000", "data.batch_size=128", "dat
 
 def test_lazy_tables_hold_the_eager_values_and_leave_the_generator_where_eager_does():
     # 70,000 rows: more than one block of the streamed draws
-    cards, kwargs = [70_000, 3, 100], dict(embedding_dim=4, dense_arch=[8], over_arch=[8])
+    cards, kwargs = [70_000, 3, 100], {"embedding_dim": 4, "dense_arch": [8], "over_arch": [8]}
     torch.manual_seed(5)
     eager = DLRM(cards, **kwargs)
     after_eager = torch.rand(3)
@@ -142,13 +140,22 @@ def test_a_distributed_checkpoint_does_not_resume_without_a_mesh_in_one_line(mak
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["model=hstu"], r"^hardware=model_parallel_cpu splits DLRM's embedding tables across processes; model=hstu "
-                     r"has none to split: use hardware=ddp_cpu or hardware=ddp$"),
-    (["model=dlrm", "trainer.devices=3"], r"^hardware=model_parallel_cpu: trainer.devices=3 cannot form a mesh of "
-                                          r"data_parallel_size=1 x tensor_parallel_size=2; set "
-                                          r"trainer.strategy.tensor_parallel_size=3$"),
-    (["model=dlrm", "trainer.strategy.data_parallel_size=2", "trainer.devices=4"],
-     r"^hardware=model_parallel_cpu: a data-parallel size of 2 .* only 1 is supported so far"),
+    (["model=hstu"], (r"^hardware=model_parallel_cpu splits DLRM's embedding tables across processes; model=hstu "
+                      r"has none to split: use hardware=ddp_cpu or hardware=ddp$")),
+    (["model=dlrm", "trainer.devices=3"], (r"^hardware=model_parallel_cpu: trainer.devices=3 cannot form a mesh of "
+                                           r"data_parallel_size=1 x tensor_parallel_size=2; set "
+                                           r"trainer.strategy.tensor_parallel_size=3$")),
+    (["model=dlrm", "trainer.strategy.data_parallel_size=2", "trainer.devices=3"],
+     (r"^hardware=model_parallel_cpu: trainer.devices=3 cannot form a mesh of data_parallel_size=2 x "
+      r"tensor_parallel_size=2; set trainer.devices x trainer.num_nodes to a multiple of data_parallel_size=2$")),
+    (["model=dlrm", "trainer.strategy.data_parallel_size=2", "trainer.devices=4", "+trainer.num_nodes=2"],
+     (r"^hardware=model_parallel_cpu: trainer.devices=4 x trainer.num_nodes=2 cannot form a mesh of "
+      r"data_parallel_size=2 x tensor_parallel_size=2; set trainer.strategy.tensor_parallel_size=4$")),
+    (["model=dlrm", "trainer.strategy.tensor_parallel_size=0"],
+     r"^hardware=model_parallel_cpu: trainer.strategy.tensor_parallel_size=0: expected a positive integer or auto$"),
+    (["model=dlrm", "task.gradient_clip_val=1.0"],
+     (r"^hardware=model_parallel_cpu: task.gradient_clip_algorithm=norm takes the norm over every table row, which "
+      r"no process holds here; use task.gradient_clip_algorithm=value, or hardware=ddp_cpu or hardware=ddp$")),
 ])
 def test_a_mesh_that_cannot_be_is_refused_in_one_line(make_cfg, overrides, message):
     cfg = make_cfg("hardware=model_parallel_cpu", *overrides)
@@ -156,3 +163,17 @@ def test_a_mesh_that_cannot_be_is_refused_in_one_line(make_cfg, overrides, messa
     with pytest.raises(UserInputError, match=message):
         check_hardware(cfg, choices)
     check_hardware(make_cfg("hardware=model_parallel_cpu", "model=dlrm"), choices)  # the preset itself passes
+
+
+@pytest.mark.parametrize("mesh", [
+    ["trainer.devices=4", "trainer.strategy.data_parallel_size=2"],  # 2 x 2
+    ["trainer.devices=4", "trainer.strategy.data_parallel_size=4", "trainer.strategy.tensor_parallel_size=1"],
+    ["trainer.devices=2", "+trainer.num_nodes=2", "trainer.strategy.data_parallel_size=auto",
+     "trainer.strategy.tensor_parallel_size=auto"],  # Lightning's auto: a data-parallel rank per node
+    # clipping: elementwise, or by a norm over tables that every process holds whole
+    ["task.gradient_clip_val=1.0", "task.gradient_clip_algorithm=value"],
+    ["trainer.strategy.data_parallel_size=2", "trainer.strategy.tensor_parallel_size=1", "task.gradient_clip_val=1.0"],
+])
+def test_a_mesh_of_several_data_parallel_ranks_is_accepted(make_cfg, mesh):
+    check_hardware(make_cfg("hardware=model_parallel_cpu", "model=dlrm", *mesh),
+                   {"hardware": "model_parallel_cpu", "model": "dlrm"})

@@ -15,7 +15,9 @@ owns (the others are zero here), which recforge's sparse optimizers (sparse SGD,
 :class:`recforge.optim.rowwise_adagrad.RowWiseAdagrad`) apply to the touched rows only, keeping
 their per-row state with the shard. Backward needs no communication because the gradient reaching
 the lookup is the same on every rank of the mesh: they all see the same batch and run the same
-dense layers on it (the tensor-parallel half of a data-parallel x table-sharding mesh).
+dense layers on it (the tensor-parallel half of a data-parallel x table-sharding mesh). The
+copies of a shard on other data-parallel ranks, which read other batches, are averaged with it
+after backward (:mod:`recforge.distributed.data_parallel`).
 
 The whole table is a DTensor in ``state_dict()`` (``Shard(0)`` of the full shape, the local shard
 as its storage), so that torch.distributed.checkpoint saves each rank's rows once and loads them at

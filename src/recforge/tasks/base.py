@@ -122,8 +122,8 @@ class RecTask(L.LightningModule):
         self._check_validation_sample(stage)
         # Before the strategy wraps the module: under DDP the sparse item tables are averaged by
         # the task (optim/sparse_grad_sync.py), not by DDP's sparse all-reduce.
-        # Under ModelParallelStrategy (a device mesh) the tables are sharded, not replicated:
-        # there is nothing to average (one data-parallel rank, config_checks.check_hardware).
+        # Under ModelParallelStrategy (a device mesh) the tables are sharded: a shard's copies on
+        # other data-parallel ranks are averaged by the task itself (CTRTask.on_after_backward).
         if self.trainer.world_size > 1 and self.device_mesh is None:
             names = sparse_parameter_names(self)
             self._ddp_params_and_buffers_to_ignore = names

@@ -10,10 +10,13 @@ from torch import nn
 from recforge.config_values import Range
 from recforge.contracts import CTR_LOGITS, CTRModel, Evaluation
 from recforge.data.batches import CTRBatch
+from recforge.distributed.data_parallel import average_over_replicas_, replicate_dense
+from recforge.distributed.strategy import sharded_tables
 from recforge.errors import UserInputError
 from recforge.evaluation import CTREvaluation
 from recforge.optim.sparse_capable import has_sparse_gradients
 from recforge.tasks.base import RecTask
+
 
 class CTRTask(RecTask):
     """Trains a :class:`recforge.contracts.CTRModel` on :class:`CTRBatch` es with a click loss and
@@ -76,13 +79,22 @@ class CTRTask(RecTask):
     def configure_model(self) -> None:
         """Where the processes exist: under ``hardware=model_parallel*`` (Lightning's
         ``ModelParallelStrategy`` sets ``device_mesh``) the tables' rows are split across the
-        mesh's ``tensor_parallel`` dimension; elsewhere a table built sharded is drawn whole.
+        mesh's ``tensor_parallel`` dimension, the rest is data-parallel over every rank
+        (:mod:`recforge.distributed.data_parallel`); elsewhere a table built sharded is drawn whole.
         Before the optimizer is built (it gets the shards), once per stage (idempotent)."""
         mesh = self.device_mesh
         self.model.shard_tables(None if mesh is None else mesh["tensor_parallel"])
         if mesh is not None:
+            replicate_dense(self.model, mesh)
             # a table-sharding group's ranks evaluate the same rows: each row counts once
             self.evaluation.reduce_over(mesh["data_parallel"].get_group())
+
+    def on_after_backward(self) -> None:
+        # the dense layers' gradients were averaged in backward (replicate_dense); a table shard
+        # is replicated only across the data-parallel ranks that hold the same rows
+        mesh = self.device_mesh
+        if mesh is not None:
+            average_over_replicas_(sharded_tables(self.model).values(), mesh["data_parallel"])
 
     # ------------------------------------------------------------------ optimisation
     def optimizer_params(self) -> list[dict]:
