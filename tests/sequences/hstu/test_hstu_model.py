@@ -176,12 +176,15 @@ def test_inference_path_matches_a_naive_loop(monkeypatch, lengths, query_rows, b
     torch.testing.assert_close(hstu_attention_inference(*args, grid), want, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("keep_bytes", [1 << 30, 0], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("query_rows,block_scores", [(64, 1 << 20), (4, 50), (3, 1)])
 @pytest.mark.parametrize("lengths", [[5, 1, 0, 9, 3], [1], [0, 0], [11, 11, 2]])
 def test_blocked_training_path_matches_a_naive_loop_forward_and_backward(monkeypatch, lengths,
-                                                                          query_rows, block_scores):
+                                                                          query_rows, block_scores,
+                                                                          keep_bytes):
     monkeypatch.setattr(attention_module, "_QUERY_ROWS", query_rows)
     monkeypatch.setattr(attention_module, "_BLOCK_SCORES", block_scores)
+    monkeypatch.setattr(attention_module, "KEEP_SCORES_BYTES", keep_bytes)
     q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs(lengths)
     inputs = [t.requires_grad_(True) for t in (q, k, v, pos_w, time_w)]
     got = hstu_attention_blocked(q, k, v, offsets, max(lengths), pos_w, time_w, times, query, width)
@@ -195,6 +198,32 @@ def test_blocked_training_path_matches_a_naive_loop_forward_and_backward(monkeyp
     grads_want = torch.autograd.grad(want, inputs, upstream)
     for name, a, b in zip(("q", "k", "v", "pos_weights", "time_weights"), grads_got, grads_want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("keep_bytes,backward_scores", [(1 << 30, 0), (0, 4)], ids=["kept", "recomputed"])
+def test_blocked_backward_recomputes_the_scores_only_past_the_budget_and_twice_gives_the_same(
+        monkeypatch, keep_bytes, backward_scores):
+    # 4 query blocks of 3 rows; a second backward through the retained graph finds the kept
+    # pre-activations consumed (overwritten in place) and recomputes them
+    monkeypatch.setattr(attention_module, "_QUERY_ROWS", 3)
+    monkeypatch.setattr(attention_module, "KEEP_SCORES_BYTES", keep_bytes)
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([12, 7, 10])
+    inputs = [t.requires_grad_(True) for t in (q, k, v, pos_w, time_w)]
+    calls = []
+    real = attention_module._Block.scores
+    monkeypatch.setattr(attention_module._Block, "scores", lambda self, *a: calls.append(a) or real(self, *a))
+    got = hstu_attention_blocked(q, k, v, offsets, 12, pos_w, time_w, times, query, width)
+    assert len(calls) == 4
+    upstream = torch.randn_like(got)
+    first = torch.autograd.grad(got, inputs, upstream, retain_graph=True)
+    assert len(calls) == 4 + backward_scores
+    second = torch.autograd.grad(got, inputs, upstream)
+    assert len(calls) == 8 + backward_scores
+    want = torch.autograd.grad(naive_attention(q, k, v, offsets, pos_w, time_w, times, query, width),
+                               inputs, upstream)
+    for name, a, b, c in zip(("q", "k", "v", "pos_weights", "time_weights"), first, second, want):
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(b, c, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_blocked_training_path_gives_only_the_gradients_asked_for_in_float32(monkeypatch):
