@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +41,15 @@ ISOLATED_CHILD = "RECFORGE_ISOLATED_TEST"
 
 def _run_in_child(item: pytest.Item) -> None:
     env = {**os.environ, ISOLATED_CHILD: "1"}
-    done = run_child(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", item.nodeid],
-        cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=900,
-    )
+    known_crash = item.get_closest_marker("isolated").kwargs.get("known_segfault")
+
+    def run() -> subprocess.CompletedProcess:
+        return run_child([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", item.nodeid],
+                         cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=900)
+
+    done = run()
+    if known_crash and done.returncode == -signal.SIGSEGV:
+        done = _again_after_segfault(done, known_crash, run)
     out = done.stdout + done.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     if done.returncode == 0 and " skipped" in summary and " passed" not in summary:
@@ -53,21 +59,15 @@ def _run_in_child(item: pytest.Item) -> None:
         pytest.fail(f"{item.nodeid} in its own process (rc {done.returncode}):\n{out[-6000:]}", pytrace=False)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    session.config._recforge_exit_status = int(exitstatus)
+def _again_after_segfault(done, why: str, rerun):
+    """A second run after a first that died of SIGSEGV, for a crash known to come from a library
+    at random (``why`` names it): said as a warning in the session's summary, never silent. A
+    crash of the second run fails the test as any failure does."""
+    import warnings
 
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    # An isolated child ends without the interpreter's teardown once pytest has printed its
-    # results: torch's profiler has segfaulted there after a passing test (rc -11, the results
-    # already written), which its parent took for a failure of the test. A crash inside the test
-    # still fails it: the child's results say so before this point.
-    status = getattr(config, "_recforge_exit_status", None)
-    if os.environ.get(ISOLATED_CHILD) and status is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+    tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+    warnings.warn(f"run again after a segfault ({why}); the first run ended: {' | '.join(tail)}", stacklevel=2)
+    return rerun()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -301,8 +301,10 @@ def user_checkout(root: Path, local: list[str] = TINY_RUN) -> Path:
     return root
 
 
-def run_command(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a shell-style command line (``python`` is this interpreter) in ``cwd``."""
+def run_command(command: str, cwd: Path, timeout: int = 600,
+                known_segfault: str | None = None) -> subprocess.CompletedProcess:
+    """Run a shell-style command line (``python`` is this interpreter) in ``cwd``; with
+    ``known_segfault`` (the library crash it names), once more if it dies of SIGSEGV."""
     import shlex
 
     words = shlex.split(command)
@@ -311,7 +313,14 @@ def run_command(command: str, cwd: Path, timeout: int = 600) -> subprocess.Compl
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "WANDB_MODE": "offline"}
     env.pop("WANDB_API_KEY", None)
     env.pop("HYDRA_FULL_ERROR", None)
-    return run_child(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+    def run() -> subprocess.CompletedProcess:
+        return run_child(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+    done = run()
+    if known_segfault and done.returncode == -signal.SIGSEGV:
+        done = _again_after_segfault(done, known_segfault, run)
+    return done
 
 
 def readme_commands() -> list[str]:

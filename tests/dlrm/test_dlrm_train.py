@@ -164,8 +164,14 @@ def test_a_logloss_monitor_is_minimised(make_cfg):
     assert cfg.callbacks.model_checkpoint.mode == "max" and cfg.callbacks.early_stopping.mode == "max"
 
 
+# torch 2.13's profiler corrupts its own records now and then (segfaults while recording an
+# operator or freeing the results: about 1 fresh process in 10 under load, at 1 and 2 threads, with
+# or without memory profiling; not reproduced outside a Lightning run)
+TORCH_PROFILER_CRASH = "torch 2.13's profiler, about 1 run in 10"
+
+
 @pytest.mark.slow
-@pytest.mark.isolated
+@pytest.mark.isolated(known_segfault=TORCH_PROFILER_CRASH)
 def test_profiler_preset_writes_a_tensorboard_trace(make_cfg, tmp_path):
     cfg = make_cfg(*SMALL, "debug=profiler", "trainer.limit_train_batches=8", "trainer.limit_val_batches=2",
                    "trainer.detect_anomaly=false")

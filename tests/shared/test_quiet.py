@@ -75,7 +75,8 @@ def test_the_readmes_profile_of_a_compiled_dlrm_stays_compiled(tmp_path, make_cf
     compiled = make_cfg("model=dlrm", "model.compile=true", "debug=profiler")
     assert compiled.trainer.profiler.record_module_names is False
     checkout = user_checkout(tmp_path / "checkout", TINY_CTR_RUN)
-    done = run_command("python src/train.py model=dlrm model.compile=true debug=profiler", cwd=checkout)
+    done = run_command("python src/train.py model=dlrm model.compile=true debug=profiler", cwd=checkout,
+                       known_segfault="torch 2.13's profiler, about 1 run in 10 (tests/dlrm/test_dlrm_train.py)")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "recompile_limit" not in out and "[filelock]" not in out, out[-4000:]
