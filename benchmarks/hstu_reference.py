@@ -1,7 +1,8 @@
-"""Training sequences/s and evaluation users/s of the *reference* HSTU (Meta's
-generative-recommenders research code) on this machine, so that recforge's HSTU figures
-(`train_throughput.py --experiment hstu_ml-1m` / `hstu_large_ml-1m`) can be quoted as ratios
-taken on the same box, with the same threads, under the same load.
+"""Training sequences/s and evaluation users/s of the *reference* HSTU and SASRec (Meta's
+generative-recommenders research code) on this machine, so that recforge's figures
+(`train_throughput.py --experiment hstu_ml-1m` / `hstu_large_ml-1m` / `sasrec_ml-1m`, the same
+name as ``--config``) can be quoted as ratios taken on the same box, with the same threads, under
+the same load.
 
 Nothing here is copied from the reference: the script imports it from ``--reference-dir`` (an
 exported tree of facebookresearch/generative-recommenders, see ``--help``) and drives it as the
@@ -14,15 +15,20 @@ reference's ``train_fn`` does, in one process on the CPU:
   ``DatasetV2`` (padding length 201: the most recent 200 items of history; training drops each
   user's last item, evaluation targets it). The catalogue is every movie of ``movies.dat``
   (3,883), the item table has max id + 1 rows (3,953).
-* model: the reference's classes built with the arguments ``train_fn`` and ``hstu_encoder`` give
-  them for the ml-1m gin configs (recforge's ``conf/experiment/hstu_ml-1m.yaml`` and
-  ``hstu_large_ml-1m.yaml`` carry the same values): item dim 50, 2 blocks x 1 head dqk = dv = 50
-  (large: 8 x 2, 25), dropout 0.2 (input and linear), rel_bias / uvqk / SiLU, L2-normalised
-  outputs, dot-product similarity, 128 local (uniform catalogue) negatives, temperature 0.05,
-  L2-normalised item embeddings, AdamW(1e-3, betas (0.9, 0.98), weight decay 0), batch 128.
+* model: the reference's classes built with the arguments ``train_fn`` and ``hstu_encoder`` /
+  ``sasrec_encoder`` give them for the ml-1m gin configs (``configs/ml-1m/``; recforge's
+  ``conf/experiment/<config>.yaml`` carry the same values): item dim 50, input dropout 0.2,
+  learnable positions over 200 + 11, then for HSTU 2 blocks x 1 head dqk = dv = 50 (large: 8 x 2,
+  25), linear dropout 0.2, rel_bias / uvqk / SiLU; for SASRec (``sasrec_ml-1m``,
+  ``sasrec-sampled-softmax-n128-final.gin``) 2 blocks x 1 head of ``torch.nn.MultiheadAttention``,
+  FFN hidden 50 with ReLU, FFN and attention dropout 0.2. Both: L2-normalised outputs,
+  dot-product similarity, 128 local (uniform catalogue) negatives, temperature 0.05, L2-normalised
+  item embeddings, AdamW(1e-3, betas (0.9, 0.98), weight decay 0), batch 128. The parameter count
+  is printed beside shared/specs/hstu.md's (§1.6: 234,400 / 313,000 / 238,800), not asserted.
 * training step (timed): ``movielens_seq_features_from_row``, the target scattered into the
-  ids, ``zero_grad``, item embeddings, the encoder, the sampled-softmax loss with the local
-  negatives sampler, ``backward``, ``AdamW.step``: the body of ``train_fn``'s loop.
+  ids, ``zero_grad``, item embeddings, the encoder (HSTU's and SASRec's ``forward`` take the same
+  arguments), the sampled-softmax loss with the local negatives sampler, ``backward``,
+  ``AdamW.step``: the body of ``train_fn``'s loop.
 * evaluation (timed): ``get_eval_state`` (normalised embeddings of the whole catalogue,
   ``MIPSBruteForceTopK``) once per pass, then per batch of ``--eval-batch-size`` users
   ``movielens_seq_features_from_row`` + ``eval_metrics_v2_from_tensors`` (encode, brute-force
@@ -69,15 +75,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_URL = "https://github.com/facebookresearch/generative-recommenders"
 REFERENCE_COMMIT = "2e81fab"  # the commit shared/specs/hstu.md describes (2025-06-25)
 
-# The ml-1m gin configs (configs/ml-1m/hstu-sampled-softmax-n128{,-large}-final.gin) = recforge's
-# conf/experiment/hstu_ml-1m.yaml and hstu_large_ml-1m.yaml (shared/specs/hstu.md §1.6).
+# The ml-1m gin configs (configs/ml-1m/hstu-sampled-softmax-n128{,-large}-final.gin and
+# sasrec-sampled-softmax-n128-final.gin) = recforge's conf/experiment/<config>.yaml
+# (shared/specs/hstu.md §1.6): main_module picks the encoder as train_fn's get_sequential_encoder
+# does, the rest is what the gin file gives hstu_encoder / sasrec_encoder.
 CONFIGS = {
-    "hstu_ml-1m": dict(num_blocks=2, num_heads=1, dqk=50, dv=50),
-    "hstu_large_ml-1m": dict(num_blocks=8, num_heads=2, dqk=25, dv=25),
+    "hstu_ml-1m": dict(main_module="HSTU", num_blocks=2, num_heads=1, dqk=50, dv=50, linear_dropout_rate=0.2),
+    "hstu_large_ml-1m": dict(main_module="HSTU", num_blocks=8, num_heads=2, dqk=25, dv=25, linear_dropout_rate=0.2),
+    # sasrec_encoder's defaults are ffn_hidden_dim 64, ReLU, 0.2: the gin file sets 50, relu, 0.2
+    "sasrec_ml-1m": dict(main_module="SASRec", num_blocks=2, num_heads=1, ffn_hidden_dim=50,
+                         ffn_activation_fn="relu", ffn_dropout_rate=0.2),
 }
+# shared/specs/hstu.md §1.6's parameter counts for the full ml-1m item table (3,953 rows), printed
+# beside the model's own so a wrong constructor argument shows (other --ratings / --movies change
+# the item table's rows, and so the model's count)
+SPEC_PARAMETERS = {"hstu_ml-1m": 234_400, "hstu_large_ml-1m": 313_000, "sasrec_ml-1m": 238_800}
 COMMON = dict(
     item_embedding_dim=50, max_sequence_length=200, gr_output_length=10, dropout_rate=0.2,
-    linear_dropout_rate=0.2, num_negatives=128, temperature=0.05, l2_norm_eps=1e-6,
+    num_negatives=128, temperature=0.05, l2_norm_eps=1e-6,
     learning_rate=1e-3, betas=(0.9, 0.98), weight_decay=0.0,
 )
 
@@ -90,7 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reference-commit", default=None,
                    help="the commit the tree was exported from, to print with the figures (default: read "
                         "from the tree when it is a git checkout or holds a COMMIT file, else 'unknown')")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="hstu_ml-1m")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="hstu_ml-1m",
+                   help="the reference's ml-1m gin config to mirror, named as recforge's experiment "
+                        "(default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads and OMP/MKL_NUM_THREADS (default 2)")
     p.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], default=None,
                    help="OMP_WAIT_POLICY (default: unset, as train_throughput.py)")
@@ -129,6 +146,11 @@ def missing_reference_line(ref: Path) -> str:
             f"github:facebookresearch/generative-recommenders, a bare mirror) && mkdir -p {ref} && "
             f"git --git-dir=/tmp/gr.git archive {REFERENCE_COMMIT} | tar -x -C {ref} && "
             f"git --git-dir=/tmp/gr.git rev-parse {REFERENCE_COMMIT} > {ref}/COMMIT; then pass --reference-dir {ref}")
+
+
+def encoder_file(config: str) -> str:
+    """The module file (under the layout's modeling/sequential/) of the config's encoder."""
+    return {"HSTU": "hstu.py", "SASRec": "sasrec.py"}[CONFIGS[config]["main_module"]]
 
 
 def reference_layout(ref: Path) -> str | None:
@@ -351,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     if prefix is None:
         print(missing_reference_line(ref), file=sys.stderr)
         return 2
+    encoder_path = ref / Path(*prefix.split(".")) / "modeling" / "sequential" / encoder_file(args.config)
+    if not encoder_path.is_file():  # a tree from before the encoder existed, or a trimmed one
+        print(f"hstu_reference: --config {args.config} needs {encoder_path}, not in this tree; "
+              f"export {REFERENCE_COMMIT} as --help says", file=sys.stderr)
+        return 2
     ratings_path, movies_path = default_data_paths(args)
     for path in (ratings_path, movies_path):
         if not path.is_file():
@@ -383,10 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"{prefix}.{name}")
 
     import contextlib
+    main_module = CONFIGS[args.config]["main_module"]
     with contextlib.redirect_stdout(io.StringIO()):  # the reference prints its init choices
-        hstu_mod = mod("modeling.sequential.hstu")
-    assert Path(hstu_mod.__file__).resolve().is_relative_to(ref.resolve()), hstu_mod.__file__
-    HSTU = hstu_mod.HSTU
+        encoder_mod = mod("modeling.sequential." + encoder_file(args.config).removesuffix(".py"))
+    assert Path(encoder_mod.__file__).resolve().is_relative_to(ref.resolve()), encoder_mod.__file__
+    Encoder = getattr(encoder_mod, main_module)  # HSTU or SASRec
     LocalEmbeddingModule = mod("modeling.sequential.embedding_modules").LocalEmbeddingModule
     LearnablePositionalEmbeddingInputFeaturesPreprocessor = mod(
         "modeling.sequential.input_features_preprocessors").LearnablePositionalEmbeddingInputFeaturesPreprocessor
@@ -451,22 +479,32 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
     with contextlib.redirect_stdout(io.StringIO()):
         embedding_module = LocalEmbeddingModule(num_items=max_item_id, item_embedding_dim=hp["item_embedding_dim"])
-        model = HSTU(
+        # what train_fn gives get_sequential_encoder whichever the encoder
+        encoder_args = dict(
             max_sequence_len=hp["max_sequence_length"],
             max_output_len=hp["gr_output_length"] + 1,
             embedding_dim=embedding_module.item_embedding_dim,
             num_blocks=hp["num_blocks"], num_heads=hp["num_heads"],
-            linear_dim=hp["dv"], attention_dim=hp["dqk"],
-            normalization="rel_bias", linear_config="uvqk", linear_activation="silu",
-            linear_dropout_rate=hp["linear_dropout_rate"], attn_dropout_rate=0.0,
             embedding_module=embedding_module,
             similarity_module=DotProductSimilarity(),
             input_features_preproc_module=LearnablePositionalEmbeddingInputFeaturesPreprocessor(
                 max_sequence_len=hp["max_sequence_length"] + hp["gr_output_length"] + 1,
                 embedding_dim=hp["item_embedding_dim"], dropout_rate=hp["dropout_rate"]),
             output_postproc_module=L2NormEmbeddingPostprocessor(embedding_dim=hp["item_embedding_dim"], eps=1e-6),
-            enable_relative_attention_bias=True, concat_ua=False, verbose=True,
+            verbose=True,
         )
+        if main_module == "HSTU":  # hstu_encoder's arguments
+            model = Encoder(
+                **encoder_args, linear_dim=hp["dv"], attention_dim=hp["dqk"],
+                normalization="rel_bias", linear_config="uvqk", linear_activation="silu",
+                linear_dropout_rate=hp["linear_dropout_rate"], attn_dropout_rate=0.0,
+                enable_relative_attention_bias=True, concat_ua=False,
+            )
+        else:  # sasrec_encoder's arguments (activation_checkpoint: get_sequential_encoder's default)
+            model = Encoder(
+                **encoder_args, ffn_hidden_dim=hp["ffn_hidden_dim"], ffn_activation_fn=hp["ffn_activation_fn"],
+                ffn_dropout_rate=hp["ffn_dropout_rate"], activation_checkpoint=False,
+            )
     ar_loss = SampledSoftmaxLoss(num_to_sample=hp["num_negatives"], softmax_temperature=hp["temperature"],
                                  model=model, activation_checkpoint=False)
     negatives_sampler = LocalNegativesSampler(num_items=max_item_id, item_emb=model._embedding_module._item_emb,
@@ -475,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=hp["learning_rate"], betas=hp["betas"],
                             weight_decay=hp["weight_decay"])
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"# model: {model.debug_str()}, {n_params:,} parameters; {hp['num_negatives']} local negatives, "
+    log(f"# model: {model.debug_str()}, {n_params:,} parameters (spec {SPEC_PARAMETERS[args.config]:,} for a "
+        f"3,953-row item table; this one has {max_item_id + 1:,}); {hp['num_negatives']} local negatives, "
         f"t={hp['temperature']}; AdamW lr {hp['learning_rate']} betas {hp['betas']} wd {hp['weight_decay']}"
         f"{'; anomaly detection on' if args.detect_anomaly else ''}")
     max_output_length = hp["gr_output_length"] + 1
@@ -592,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         "last_eval_metrics": quality, "losses": [round(x, 4) for x in losses],
         "data": {"ratings": str(ratings_path), "movies": str(movies_path), "users": n_users,
                  "catalogue": len(all_item_ids), "max_item_id": max_item_id},
-        "model": {"parameters": n_params, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in hp.items()}},
+        "model": {"parameters": n_params, "spec_parameters": SPEC_PARAMETERS[args.config],
+                  **{k: (list(v) if isinstance(v, tuple) else v) for k, v in hp.items()}},
     }, separators=(",", ":")), flush=True)
     return 0
 
