@@ -39,9 +39,10 @@ if "OMP_NUM_THREADS" not in os.environ:
 ISOLATED_CHILD = "RECFORGE_ISOLATED_TEST"
 
 
-def _run_in_child(item: pytest.Item) -> None:
+def _run_in_child(item: pytest.Item, known_crash: str | None = None) -> None:
+    """``item``'s body in a fresh pytest process; once more if that dies of SIGSEGV and
+    ``known_crash`` names the library crash (``@pytest.mark.isolated(known_segfault=...)``)."""
     env = {**os.environ, ISOLATED_CHILD: "1"}
-    known_crash = item.get_closest_marker("isolated").kwargs.get("known_segfault")
 
     def run() -> subprocess.CompletedProcess:
         return run_child([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", item.nodeid],
@@ -74,8 +75,9 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get(ISOLATED_CHILD):
         return
     for item in items:
-        if item.get_closest_marker("isolated") is not None:
-            item.runtest = lambda item=item: _run_in_child(item)
+        marker = item.get_closest_marker("isolated")
+        if marker is not None:
+            item.runtest = lambda item=item, crash=marker.kwargs.get("known_segfault"): _run_in_child(item, crash)
 
 class SaveCheckpointAt:
     """A Lightning callback (``+callbacks.save_at._target_=conftest.SaveCheckpointAt``) that saves a

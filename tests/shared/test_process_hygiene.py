@@ -39,6 +39,14 @@ def test_fails():
 
 def test_skips():
     pytest.skip("no such device here")
+
+def test_segfaults_once():
+    import os, signal
+    from pathlib import Path
+    mark = Path(__file__).with_name("segfaulted")
+    if not mark.exists():
+        mark.write_text("once")
+        os.kill(os.getpid(), signal.SIGSEGV)
 '''
 
 
@@ -60,6 +68,14 @@ def test_isolated_failure_fails_with_the_child_output(child_suite):
 def test_isolated_skip_is_a_skip_with_its_reason(child_suite):
     with pytest.raises(pytest.skip.Exception, match="no such device here"):
         _run_in_child(child_suite("test_skips"))
+
+
+def test_an_isolated_known_segfault_runs_once_more_and_an_unknown_one_fails(child_suite):
+    with pytest.raises(pytest.fail.Exception, match=r"rc -11"):
+        _run_in_child(child_suite("test_segfaults_once"))
+    (child_suite("x").config.rootpath / "segfaulted").unlink()
+    with pytest.warns(UserWarning, match=r"run again after a segfault \(a library\)"):
+        _run_in_child(child_suite("test_segfaults_once"), "a library")
 
 
 def test_a_missing_test_is_a_failure(child_suite):
