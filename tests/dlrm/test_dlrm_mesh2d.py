@@ -8,16 +8,11 @@ the loss is a mean over the batch, so the mean of the two ranks' gradients is th
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import CHEAP, REPO_ROOT
-from processes import run_child
+from split_table_runs import TABLE, eval_in_one_process, train_ranks
 
 from recforge.data.criteo.prepared import (
     DENSE_COLUMNS,
@@ -36,7 +31,6 @@ from recforge.data.criteo.synthetic import (
 from recforge.distributed.sharded_table import row_range
 
 BATCH, STEPS = 64, 6  # per data-parallel rank: the one process takes 2 x BATCH rows a step
-TABLE = "model.sparse_arch.embedding.weight"
 MODEL = ["model=dlrm", "model.dense_arch=[16,8]", "model.over_arch=[16]", "model.embedding_dim=8",
          "model.lazy_tables=true", "optimizer=rowwise_adagrad", "optimizer.dense.lr=0.05", "optimizer.sparse.lr=0.05",
          "evaluation.metrics=[auc,logloss,accuracy,count]"]
@@ -84,21 +78,9 @@ def prepared(tmp_path_factory):
 
 
 def _run(args: list[str], log_dir, data, checkpoints: bool = False) -> dict:
-    # no monitor: the checkpoint a run tests is its last epoch's
-    saving = ["callbacks.model_checkpoint.monitor=null"] if checkpoints else [
-        "+trainer.enable_checkpointing=false", "~callbacks.model_checkpoint"]
-    cmd = [sys.executable, "src/train.py", *MODEL, *CHEAP, *args, "data=criteo_kaggle", f"data.prepared_dir={data}",
-           "data.shuffle=false", f"data.eval_batch_size={BATCH * 3}", *saving, "~callbacks.early_stopping",
-           "+callbacks.dump._target_=conftest.SaveRankParameters", f"+callbacks.dump.path={log_dir / 'params'}",
-           f"paths.log_dir={log_dir}", f"paths.data_dir={log_dir / 'data'}"]
-    # one thread in every process: the same GEMM reduction order in both runs
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(REPO_ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-6000:]
-    (run_dir,) = (log_dir / "train" / "runs").iterdir()
-    ranks = [torch.load(p, weights_only=False) for p in sorted((log_dir / "params").glob("rank*.pt"))]
-    return {"metrics": json.loads((run_dir / "metrics.json").read_text()), "out": done.stdout + done.stderr,
-            "ranks": ranks, "last": run_dir / "checkpoints" / "last.ckpt"}
+    return train_ranks(MODEL, [*args, "data=criteo_kaggle", f"data.prepared_dir={data}", "data.shuffle=false",
+                               f"data.eval_batch_size={BATCH * 3}", f"paths.data_dir={log_dir / 'data'}"],
+                       log_dir, checkpoints)
 
 
 @pytest.mark.slow
@@ -172,12 +154,6 @@ def test_a_2x2_run_resumed_on_one_process_then_on_the_mesh_trains_as_one_process
     for name in ("test/auc", "test/logloss"):
         assert third["metrics"][name] == pytest.approx(straight["metrics"][name], rel=1e-5), name
 
-    evaluated = tmp_path / "eval"
-    done = run_child([sys.executable, "src/eval.py", f"ckpt_path={third['last']}", "hardware=cpu",
-                      f"paths.log_dir={evaluated}", f"paths.data_dir={tmp_path / 'data'}"], cwd=REPO_ROOT,
-                     env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    (run_dir,) = (evaluated / "eval" / "runs").iterdir()
-    single = json.loads((run_dir / "metrics.json").read_text())
+    single = eval_in_one_process(third["last"], tmp_path / "eval", tmp_path / "data")
     for name in ("test/auc", "test/logloss", "test/accuracy"):
         assert single[name] == pytest.approx(third["metrics"][name], rel=1e-6), name

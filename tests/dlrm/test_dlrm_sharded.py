@@ -2,14 +2,10 @@
 the same run in one process, lazy tables against eager ones, and the mesh refused in one line."""
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import pytest
 import torch
-from conftest import CHEAP, REPO_ROOT
-from processes import run_child
+from conftest import REPO_ROOT
+from split_table_runs import TABLE, eval_in_one_process, train_ranks
 
 from recforge.config_checks import check_hardware
 from recforge.errors import UserInputError
@@ -42,22 +38,10 @@ def test_lazy_tables_hold_the_eager_values_and_leave_the_generator_where_eager_d
 
 
 def _run(args: list[str], log_dir, data_dir, checkpoints: bool = False) -> dict:
-    saving = [] if checkpoints else ["+trainer.enable_checkpointing=false", "~callbacks.model_checkpoint"]
-    cmd = [sys.executable, "src/train.py", *SMALL, *CHEAP, *args, *saving,
-           "~callbacks.early_stopping", "trainer.limit_train_batches=12",
-           "+callbacks.dump._target_=conftest.SaveRankParameters", f"+callbacks.dump.path={log_dir / 'params'}",
-           f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}"]
-    # one thread in every process: the same GEMM reduction order in both runs
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(REPO_ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-6000:]
-    (run_dir,) = (log_dir / "train" / "runs").iterdir()
-    ranks = [torch.load(p, weights_only=False) for p in sorted((log_dir / "params").glob("rank*.pt"))]
-    return {"metrics": json.loads((run_dir / "metrics.json").read_text()), "out": done.stdout + done.stderr,
-            "ranks": ranks, "last": run_dir / "checkpoints" / "last.ckpt"}
+    return train_ranks(SMALL, [*args, "trainer.limit_train_batches=12", f"paths.data_dir={data_dir}"], log_dir,
+                       checkpoints)
 
 
-TABLE = "model.sparse_arch.embedding.weight"
 
 
 @pytest.mark.slow
@@ -100,7 +84,7 @@ def test_a_sharded_run_resumed_on_one_process_then_on_two_trains_as_an_uninterru
     a mesh, reads the last checkpoint and reports the same metrics."""
     # no monitor: the checkpoint a run tests is its last epoch's, the one the next run resumes
     common = ["optimizer=rowwise_adagrad", "optimizer.dense.lr=0.05", "optimizer.sparse.lr=0.05",
-              "model.lazy_tables=true", "hardware=model_parallel_cpu", "callbacks.model_checkpoint.monitor=null"]
+              "model.lazy_tables=true", "hardware=model_parallel_cpu"]
     straight = _run([*common, "trainer.max_epochs=3"], tmp_path / "straight", data_dir, checkpoints=True)
     first = _run([*common, "trainer.max_epochs=1"], tmp_path / "first", data_dir, checkpoints=True)
     assert (first["last"] / ".metadata").is_file() and len(list(first["last"].glob("*.distcp"))) == 2
@@ -117,13 +101,7 @@ def test_a_sharded_run_resumed_on_one_process_then_on_two_trains_as_an_uninterru
     for name in ("test/auc", "test/logloss"):
         assert third["metrics"][name] == pytest.approx(straight["metrics"][name], rel=1e-5), name
 
-    evaluated = tmp_path / "eval"
-    done = run_child([sys.executable, "src/eval.py", f"ckpt_path={third['last']}", "hardware=cpu",
-                           f"paths.log_dir={evaluated}", f"paths.data_dir={data_dir}"], cwd=REPO_ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    (run_dir,) = (evaluated / "eval" / "runs").iterdir()
-    single = json.loads((run_dir / "metrics.json").read_text())
+    single = eval_in_one_process(third["last"], tmp_path / "eval", data_dir)
     for name in ("test/auc", "test/logloss", "test/accuracy"):
         assert single[name] == pytest.approx(third["metrics"][name], rel=1e-6), name
 
