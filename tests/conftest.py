@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -48,9 +49,7 @@ def _run_in_child(item: pytest.Item, known_crash: str | None = None) -> None:
         return run_child([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", item.nodeid],
                          cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=900)
 
-    done = run()
-    if known_crash and done.returncode == -signal.SIGSEGV:
-        done = _again_after_segfault(done, known_crash, run)
+    done = _once_more_after_a_known_segfault(run, known_crash)
     out = done.stdout + done.stderr
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     if done.returncode == 0 and " skipped" in summary and " passed" not in summary:
@@ -60,15 +59,19 @@ def _run_in_child(item: pytest.Item, known_crash: str | None = None) -> None:
         pytest.fail(f"{item.nodeid} in its own process (rc {done.returncode}):\n{out[-6000:]}", pytrace=False)
 
 
-def _again_after_segfault(done, why: str, rerun):
-    """A second run after a first that died of SIGSEGV, for a crash known to come from a library
-    at random (``why`` names it): said as a warning in the session's summary, never silent. A
-    crash of the second run fails the test as any failure does."""
+def _once_more_after_a_known_segfault(run, known_crash: str | None) -> subprocess.CompletedProcess:
+    """``run()``'s result; where it died of SIGSEGV and ``known_crash`` names a crash known to come
+    from a library at random, the result of a second ``run()``, said as a warning in the session's
+    summary, never silent. A crash of the second run fails the test as any failure does."""
     import warnings
 
-    tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-    warnings.warn(f"run again after a segfault ({why}); the first run ended: {' | '.join(tail)}", stacklevel=2)
-    return rerun()
+    done = run()
+    if known_crash and done.returncode == -signal.SIGSEGV:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        warnings.warn(f"run again after a segfault ({known_crash}); the first run ended: {' | '.join(tail)}",
+                      stacklevel=3)
+        done = run()
+    return done
 
 
 def pytest_collection_modifyitems(config, items):
@@ -77,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         marker = item.get_closest_marker("isolated")
         if marker is not None:
-            item.runtest = lambda item=item, crash=marker.kwargs.get("known_segfault"): _run_in_child(item, crash)
+            item.runtest = functools.partial(_run_in_child, item, marker.kwargs.get("known_segfault"))
 
 class SaveCheckpointAt:
     """A Lightning callback (``+callbacks.save_at._target_=conftest.SaveCheckpointAt``) that saves a
@@ -319,10 +322,7 @@ def run_command(command: str, cwd: Path, timeout: int = 600,
     def run() -> subprocess.CompletedProcess:
         return run_child(words, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
-    done = run()
-    if known_segfault and done.returncode == -signal.SIGSEGV:
-        done = _again_after_segfault(done, known_segfault, run)
-    return done
+    return _once_more_after_a_known_segfault(run, known_segfault)
 
 
 def readme_commands() -> list[str]:

@@ -1,5 +1,5 @@
 """The harness's second run after a known library segfault: only for a SIGSEGV, only where the
-test names the crash, once, and said as a warning (conftest._again_after_segfault)."""
+test names the crash, once, and said as a warning (conftest._once_more_after_a_known_segfault)."""
 from __future__ import annotations
 
 import textwrap
