@@ -167,12 +167,6 @@ def _check_mesh(cfg: DictConfig, choices: dict[str, str] | None) -> None:
             raise UserInputError(f"{option}: trainer.strategy.{name}={size}: expected a positive integer or auto")
         sizes[name] = size
     known = isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0
-    splits = sizes["tensor_parallel_size"] if sizes["tensor_parallel_size"] != "auto" else devices if known else None
-    if task.get("gradient_clip_val") and task.get("gradient_clip_algorithm", "norm") == "norm" and splits != 1:
-        # each process would scale its copy of the dense layers by a norm over its own rows
-        raise UserInputError(f"{option}: task.gradient_clip_algorithm=norm takes the norm over every table row, which "
-                             "no process holds here; use task.gradient_clip_algorithm=value, or hardware=ddp_cpu "
-                             "or hardware=ddp")
     if not known:
         return  # every GPU (devices=-1): Lightning counts them, and checks the product itself
     # Lightning's auto: one data-parallel rank per node, the tables split across a node's devices

@@ -73,6 +73,27 @@ def test_two_processes_splitting_the_tables_train_as_one(tmp_path, data_dir):
     assert sharded["metrics"]["test/count"] == single["metrics"]["test/count"] > 0
 
 
+@pytest.mark.slow
+def test_norm_clipping_over_split_tables_trains_as_one_process(tmp_path, data_dir):
+    """Clipping by the norm over every parameter, a table whose rows 2 processes split included:
+    plain SGD (whose steps scale with the clipped gradient) at a norm well under the gradients',
+    so every update is clipped. Both ranks' rows and dense layers equal the single process's, as
+    they do only if each rank scales by the whole table's norm (tests/shared/test_clipping.py
+    takes the norm itself apart)."""
+    common = ["optimizer=sgd", "model.lazy_tables=true", "task.gradient_clip_val=0.01"]
+    single = _run(["hardware=cpu", *common], tmp_path / "single", data_dir)
+    sharded = _run(["hardware=model_parallel_cpu", *common], tmp_path / "sharded", data_dir)
+    (whole,), ranks = single["ranks"], sharded["ranks"]
+    assert len(ranks) == 2
+    for rank in ranks:
+        start, end = rank[f"{TABLE}.rows"]
+        torch.testing.assert_close(rank[TABLE], whole[TABLE][start:end], rtol=1e-5, atol=1e-6)
+        for name, value in whole.items():
+            if name != TABLE:
+                torch.testing.assert_close(rank[name], value, rtol=1e-5, atol=1e-6)
+    assert sharded["metrics"]["test/auc"] == pytest.approx(single["metrics"]["test/auc"], rel=1e-5)
+
+
 ONE_PROCESS = ["trainer.devices=1", "trainer.strategy.tensor_parallel_size=1"]
 
 
@@ -131,9 +152,6 @@ def test_a_distributed_checkpoint_does_not_resume_without_a_mesh_in_one_line(mak
       r"data_parallel_size=2 x tensor_parallel_size=2; set trainer.strategy.tensor_parallel_size=4$")),
     (["model=dlrm", "trainer.strategy.tensor_parallel_size=0"],
      r"^hardware=model_parallel_cpu: trainer.strategy.tensor_parallel_size=0: expected a positive integer or auto$"),
-    (["model=dlrm", "task.gradient_clip_val=1.0"],
-     (r"^hardware=model_parallel_cpu: task.gradient_clip_algorithm=norm takes the norm over every table row, which "
-      r"no process holds here; use task.gradient_clip_algorithm=value, or hardware=ddp_cpu or hardware=ddp$")),
 ])
 def test_a_mesh_that_cannot_be_is_refused_in_one_line(make_cfg, overrides, message):
     cfg = make_cfg("hardware=model_parallel_cpu", *overrides)
@@ -148,8 +166,9 @@ def test_a_mesh_that_cannot_be_is_refused_in_one_line(make_cfg, overrides, messa
     ["trainer.devices=4", "trainer.strategy.data_parallel_size=4", "trainer.strategy.tensor_parallel_size=1"],
     ["trainer.devices=2", "+trainer.num_nodes=2", "trainer.strategy.data_parallel_size=auto",
      "trainer.strategy.tensor_parallel_size=auto"],  # Lightning's auto: a data-parallel rank per node
-    # clipping: elementwise, or by a norm over tables that every process holds whole
+    # clipping: elementwise, or by the norm over every table row (the split rows' squares summed across processes)
     ["task.gradient_clip_val=1.0", "task.gradient_clip_algorithm=value"],
+    ["task.gradient_clip_val=1.0"],
     ["trainer.strategy.data_parallel_size=2", "trainer.strategy.tensor_parallel_size=1", "task.gradient_clip_val=1.0"],
 ])
 def test_a_mesh_of_several_data_parallel_ranks_is_accepted(make_cfg, mesh):

@@ -165,7 +165,14 @@ class RecTask(L.LightningModule):
         if gradient_clip_algorithm == "value":
             clip_grad_value_(self.parameters(), gradient_clip_val)
         else:
-            clip_grad_norm_(self.parameters(), gradient_clip_val)
+            split, group = self.split_parameters()
+            clip_grad_norm_(self.parameters(), gradient_clip_val, split, group)
+
+    def split_parameters(self) -> tuple[list[nn.Parameter], Any]:
+        """The parameters of which this process holds only a part (a sharded table's rows), and
+        the process group that holds the rest; norm clipping sums their squares over that group.
+        None here: every parameter is whole on every process (a family that shards overrides it)."""
+        return [], None
 
     def optimizer_params(self):
         """What the optimizer factory is given: every parameter (a family may split them in groups)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
@@ -97,6 +97,13 @@ class CTRTask(RecTask):
             average_over_replicas_(sharded_tables(self.model).values(), mesh["data_parallel"])
 
     # ------------------------------------------------------------------ optimisation
+    def split_parameters(self) -> tuple[list[nn.Parameter], Any]:
+        # the table-sharding ranks of one data-parallel index hold disjoint rows of each table
+        mesh = self.device_mesh
+        if mesh is None or mesh["tensor_parallel"].size() == 1:
+            return [], None
+        return [t.weight for t in sharded_tables(self.model).values()], mesh["tensor_parallel"].get_group()
+
     def optimizer_params(self) -> list[dict]:
         tables = list(self.model.sparse_parameters())
         table_ids = {id(p) for p in tables}
