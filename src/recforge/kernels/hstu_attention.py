@@ -69,6 +69,8 @@ def time_buckets(delta: Tensor, num_buckets: int) -> Tensor:
     return scaled.long().clamp_(0, num_buckets)
 
 
+# Pairs per block of the time-bucket grid's computation: 8 MB of int64 differences.
+_GRID_BLOCK_PAIRS = 1 << 20
 # An inference block holds about this many scores: 4 MB of float32, so that a block's scores stay
 # in cache through the bias, SiLU and mask passes before its product with V.
 _BLOCK_SCORES = 1 << 20
@@ -94,14 +96,28 @@ def _padder(offsets: Tensor, total: int, max_len: int):
 
 
 def time_bucket_grid(
-    offsets: Tensor, max_len: int, timestamps: Tensor, query_times: Tensor, num_buckets: int
+    offsets: Tensor, max_len: int, timestamps: Tensor, query_times: Tensor, num_buckets: int,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``[B, max_len, max_len]`` int32: entry ``[b, i, j]`` is ``bucket(τ_i − t_j)`` of row b
     (:func:`time_buckets`); entries with i or j past the row's end are junk that only masked
-    pairs read. The same for every layer of a batch: compute it once and pass it as ``buckets``."""
+    pairs read. The same for every layer of a batch: compute it once and pass it as ``buckets``.
+    ``out``: a contiguous int32 tensor of that shape to write it into (a reused buffer)."""
     _, padded = _padder(offsets, timestamps.numel(), max_len)
-    delta = padded(query_times).unsqueeze(2) - padded(timestamps).unsqueeze(1)
-    return time_buckets(delta, num_buckets).to(torch.int32)
+    queries, keys = padded(query_times).unsqueeze(2), padded(timestamps).unsqueeze(1)
+    shape = (queries.shape[0], max_len, max_len)
+    grid = torch.empty(shape, dtype=torch.int32, device=timestamps.device) if out is None else out
+    if grid.shape != shape or grid.dtype != torch.int32:
+        raise ValueError(f"out must be int32 {shape}, got {grid.dtype} {tuple(grid.shape)}")
+    # A few rows at a time: the whole batch's int64 differences and their float32 copy would be
+    # 12 bytes a pair (470 MB for 512 histories of 200), allocated and freed at every batch, which
+    # glibc's default settings return to the kernel each time (issue 22).
+    rows = max(1, _GRID_BLOCK_PAIRS // max(1, max_len * max_len))
+    for start in range(0, grid.shape[0], rows):
+        end = start + rows
+        # float -> int32 truncates as .long() does; every bucket is in [0, num_buckets]
+        grid[start:end] = time_buckets(queries[start:end] - keys[start:end], num_buckets)
+    return grid
 
 
 class _RelativeBias(torch.autograd.Function):

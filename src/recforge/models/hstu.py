@@ -34,6 +34,7 @@ from recforge.kernels.hstu_attention import hstu_attention, hstu_attention_last,
 from recforge.kernels.hstu_output import hstu_output
 from recforge.kernels.twin import KernelChoice, KernelImpl, kernel_of
 from recforge.models.item_sequence import ItemSequenceEncoder
+from recforge.utils.reused_buffer import ReusedBuffer
 
 # The reference's epsilon for both LayerNorms of a layer (SequentialTransductionUnitJagged's).
 _LN_EPS = 1e-6
@@ -69,6 +70,8 @@ class HSTULayer(nn.Module):
         self.o = nn.Linear(num_heads * dv, embedding_dim)
         self.pos_weights = nn.Parameter(torch.empty(2 * width - 1))
         self.time_weights = nn.Parameter(torch.empty(num_time_buckets + 1))
+        # where the projection goes when no backward needs it (HSTU gives its layers one)
+        self.scratch = ReusedBuffer()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -94,7 +97,13 @@ class HSTULayer(nn.Module):
         ``buckets``: the batch's :func:`time_bucket_grid`, shared by the layers, if at hand."""
         total = x.shape[0]
         h, dqk, dv = self.num_heads, self.dqk, self.dv
-        projected = F.silu(F.layer_norm(x, (self.embedding_dim,), eps=_LN_EPS) @ self.uvqk)
+        normed = F.layer_norm(x, (self.embedding_dim,), eps=_LN_EPS)
+        if torch.is_grad_enabled():
+            projected = F.silu(normed @ self.uvqk)
+        else:
+            # no backward: the layers' shared scratch, activated in place (see HSTU.scratch)
+            scratch = self.scratch.take((total, self.uvqk.shape[1]), normed.dtype, normed.device)
+            projected = F.silu(torch.mm(normed, self.uvqk, out=scratch), inplace=True)
         u, v, q, k = projected.split([h * dv, h * dv, h * dqk, h * dqk], dim=1)
         attn = hstu_attention(
             q.reshape(total, h, dqk), k.reshape(total, h, dqk), v.reshape(total, h, dv), offsets,
@@ -122,8 +131,8 @@ class HSTULayer(nn.Module):
         normed = F.layer_norm(x, (self.embedding_dim,), eps=_LN_EPS)
         w_u, w_v, w_q, w_k = self.uvqk.split([h * dv, h * dv, h * dqk, h * dqk], dim=1)
         normed_last = normed.index_select(0, last)
-        u, q = F.silu(normed_last @ w_u), F.silu(normed_last @ w_q)
-        v, k = F.silu(normed @ w_v), F.silu(normed @ w_k)
+        u, q = F.silu(normed_last @ w_u, inplace=True), F.silu(normed_last @ w_q, inplace=True)
+        v, k = F.silu(normed @ w_v, inplace=True), F.silu(normed @ w_k, inplace=True)
         attn = hstu_attention_last(
             q.reshape(batch, h, dqk), k.reshape(total, h, dqk), v.reshape(total, h, dv), offsets,
             max_len, self.pos_weights, self.time_weights, timestamps,
@@ -196,7 +205,19 @@ class HSTU(ItemSequenceEncoder):
                       output_kernel)
             for _ in range(int(num_blocks))
         )
+        # Without autograd (evaluation) a batch's time-bucket grid and each layer's projection
+        # (70-80 MB apiece for 512 ml-1m histories) are written into storage kept from the last
+        # batch: the layers run one after the other, so they share one. Released on train().
+        self.scratch, self.grid_scratch = ReusedBuffer(), ReusedBuffer()
+        for layer in self.layers:
+            layer.scratch = self.scratch
         self.reset_parameters()
+
+    def train(self, mode: bool = True) -> HSTU:
+        if mode:
+            self.scratch.release()
+            self.grid_scratch.release()
+        return super().train(mode)
 
     def reset_parameters(self) -> None:
         """Re-draw every parameter as the reference does (see the class docstring; the truncated
@@ -249,7 +270,8 @@ class HSTU(ItemSequenceEncoder):
         first = self.layers[0]
         on_triton = first.attention_kernel == "triton" and items.is_cuda
         buckets = None if on_triton or total == 0 else time_bucket_grid(
-            offsets, max_len, timestamps, query_times, first.time_weights.numel() - 1)
+            offsets, max_len, timestamps, query_times, first.time_weights.numel() - 1,
+            out=self.grid_scratch.take((batch_size, max_len, max_len), torch.int32, items.device))
         return x, max_len, buckets
 
     def encode_last(

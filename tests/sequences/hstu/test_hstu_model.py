@@ -3,6 +3,7 @@ buckets against the spec's hand-checked values, the published parameter counts, 
 independence, bad input refused in one line, and training end to end on synthetic histories."""
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import warnings
@@ -264,11 +265,15 @@ def test_the_op_takes_the_inference_path_without_gradients_and_the_blocked_one_w
     assert calls == ["hstu_attention_inference", "hstu_attention_blocked", "hstu_attention_inference"]
 
 
-def test_a_shared_bucket_grid_gives_the_reference_its_own_result_and_gradients():
-    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([5, 0, 8, 3])
+# pairs per block of the grid's computation: the whole batch at once, 2 rows (one partial block
+# at the end), one row at a time
+@pytest.mark.parametrize("block_pairs", [1 << 20, 128, 1])
+def test_a_shared_bucket_grid_gives_the_reference_its_own_result_and_gradients(monkeypatch, block_pairs):
+    monkeypatch.setattr(attention_module, "_GRID_BLOCK_PAIRS", block_pairs)
+    q, k, v, offsets, pos_w, time_w, times, query, width = _attention_inputs([5, 0, 8, 3, 6])
     inputs = [t.requires_grad_(True) for t in (q, k, v, pos_w, time_w)]
     grid = time_bucket_grid(offsets, 8, times, query, time_w.numel() - 1)
-    assert grid.dtype == torch.int32 and grid.shape == (4, 8, 8)
+    assert grid.dtype == torch.int32 and grid.shape == (5, 8, 8)
     for b, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         for i in range(hi - lo):
             for j in range(hi - lo):
@@ -378,6 +383,28 @@ def test_encode_last_without_autograd_is_forward_at_the_last_positions(blocks):
     torch.testing.assert_close(grad_path.detach(), got, rtol=1e-12, atol=1e-13)
     with torch.no_grad(), pytest.raises(ValueError, match="at least one item"):
         model.encode_last(items[:5], torch.tensor([0, 5, 5]), times[:5], query[:5])
+
+
+def test_evaluation_batches_reuse_the_scratch_and_give_what_a_fresh_model_gives():
+    """Without autograd the time-bucket grid and the layers' projections go into storage kept
+    from the previous batch: a smaller batch after a larger one reads none of its leftovers
+    (the grid's entries past a row's end are read by masked pairs only)."""
+    model = _model(num_blocks=3)
+    fresh = copy.deepcopy(model)
+    big, small = _jagged([19, 7, 16, 3, 12], seed=4), _jagged([5, 2, 9], seed=5)
+    with torch.inference_mode():
+        want = fresh.encode_last(*small), fresh(*small)
+        model.encode_last(*big)
+        held = model.grid_scratch.held, model.scratch.held
+        assert held[0] == 5 * 19 * 19 and held[1] > 0
+        got = model.encode_last(*small), model(*small)
+        assert (model.grid_scratch.held, model.scratch.held) == held  # reused, not re-allocated
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    with torch.no_grad():  # outside inference mode: new storage, the same results
+        assert torch.equal(model.encode_last(*small), want[0])
+    model.train()
+    assert model.grid_scratch.held == model.scratch.held == 0
 
 
 def test_causal():
