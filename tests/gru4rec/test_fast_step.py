@@ -169,3 +169,62 @@ def test_updates_of_the_fast_step_follow_the_exact_ones(loss):
     for name in exact:
         torch.testing.assert_close(fast[name], exact[name], rtol=1e-9, atol=1e-11, msg=lambda m: f"{name}: {m}")
     assert not torch.equal(exact["Wy.weight"], _model("constrained").Wy.weight)  # it did train
+
+
+# ---------------------------------------------------------------- the fused step (one autograd node)
+FUSED_LOSSES = {
+    "xe_logq": CrossEntropy(logq=1.0),
+    "xe": CrossEntropy(logq=0.0),
+    "bprmax_elu": BPRMax(bpreg=0.5, elu_param=0.5),
+    "bprmax": BPRMax(bpreg=1.0, elu_param=0.0),
+}
+
+
+@pytest.mark.parametrize("loss_name", sorted(FUSED_LOSSES))
+@pytest.mark.parametrize("dropout", [(0.0, 0.0), (0.3, 0.4)], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("columns", [COLUMNS, COLUMNS[: len(ITEMS)]], ids=["negatives", "in-batch"])
+def test_fused_step_equals_its_autograd_twin_forward_and_backward(loss_name, dropout, columns):
+    """The written-out backward against autograd through the distinct-rows step and the loss's
+    ``fast`` form: loss, carried state, every gradient, and the tables' gradients over the same
+    distinct rows, flagged coalesced. Dropout draws the same masks from the same seed."""
+    loss = FUSED_LOSSES[loss_name]
+    p_embed, p_hidden = dropout
+    log_q = torch.log(torch.arange(1, len(columns) + 1, dtype=torch.float64))
+    results = {}
+    for twin in ("autograd", "fused"):
+        model = _model("constrained", dropout_p_embed=p_embed, dropout_p_hidden=p_hidden)
+        assert model.fused_step_supported
+        (hidden,) = _hidden(model)
+        torch.manual_seed(11)
+        if twin == "autograd":
+            scores, (state,) = model.train_step(ITEMS, [hidden], columns, distinct_rows=True)
+            value = loss.fast(scores, 8, log_q=log_q)
+        else:
+            value, state = model.fused_train_step(
+                ITEMS, hidden, columns, lambda s: loss.fast_value_and_grad(s, 8, log_q=log_q))
+            assert not state.requires_grad
+        (value * 1.7).backward()  # an upstream gradient other than 1
+        results[twin] = value.detach(), state.detach(), dict(model.named_parameters())
+    (want_value, want_state, want), (got_value, got_state, got) = results["autograd"], results["fused"]
+    torch.testing.assert_close(got_value, want_value, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-12, atol=1e-13)
+    for name, param in want.items():
+        if param.grad.is_sparse:
+            assert got[name].grad.is_coalesced() and param.grad.is_coalesced(), name
+            assert torch.equal(got[name].grad._indices(), param.grad._indices()), name
+        torch.testing.assert_close(_dense_grads_of(got[name]), _dense_grads_of(param), rtol=1e-10, atol=1e-12,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _dense_grads_of(param: torch.Tensor) -> torch.Tensor:
+    return param.grad.to_dense() if param.grad.is_sparse else param.grad
+
+
+@pytest.mark.parametrize("kwargs", [dict(cell="original"), dict(num_layers=2), dict(sparse_embeddings=False),
+                                    dict(constrained_embedding=False, embedding=4)])
+def test_the_fused_step_covers_only_the_configuration_it_writes_out(kwargs):
+    """Other cells, stacks, dense tables or input tables take the autograd fast step."""
+    torch.manual_seed(0)
+    assert GRU4Rec(n_items=N_ITEMS, hidden_size=6).fused_step_supported
+    assert not GRU4Rec(n_items=N_ITEMS, hidden_size=6, **kwargs).fused_step_supported
+    assert not TOP1Max(elu_param=0.5).has_value_and_grad

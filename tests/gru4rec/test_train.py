@@ -58,6 +58,23 @@ def test_bprmax_learns(make_cfg):
     assert metrics["test/recall@20"] > most_popular_recall(datamodule, 20) + 0.1
 
 
+@pytest.mark.parametrize("loss", ["xe", "bprmax"])
+def test_the_fast_step_trains_through_its_fused_node_and_learns(make_cfg, loss):
+    """task.fast_step on the default model takes the written-out step (one autograd node for the
+    whole step) in training, and learns as the exact step does (test_training_beats_most_popular)."""
+    overrides = ["task.fast_step=true", f"loss={loss}"]
+    cfg = make_cfg(*overrides, "trainer.max_epochs=2")
+    datamodule, task = build(make_cfg(*overrides, run="probe"))
+    datamodule.setup("fit")
+    task.train()
+    task.on_train_epoch_start()
+    batch = next(iter(datamodule.train_dataloader()))
+    step = batch.steps[0] if hasattr(batch, "steps") else batch
+    assert type(task.train_loss(step).grad_fn).__name__ == "_FusedStepBackward"
+    metrics = train(cfg)
+    assert metrics["test/recall@20"] > most_popular_recall(datamodule, 20) + 0.1
+
+
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
 

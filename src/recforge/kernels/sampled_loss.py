@@ -25,12 +25,14 @@ from torch.nn import functional as F
 from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
+    "bprmax_value_and_grad",
     "negatives_softmax",
     "sampled_bprmax",
     "sampled_bprmax_fused",
     "sampled_bprmax_reference",
     "sampled_softmax_xe",
     "sampled_softmax_xe_reference",
+    "softmax_xe_value_and_grad",
 ]
 
 TRITON = TritonTwin("recforge.kernels.sampled_loss_triton")
@@ -169,52 +171,85 @@ def sampled_bprmax_reference(
     return loss.sum() / batch_size
 
 
+def _bprmax_forward(scores: Tensor, bpreg: float, elu_param: float) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """BPR-max's per-row losses ``[B', 1]`` and what its written-out gradient reads: the softmax
+    numerators, the sigmoids and four numbers per row (derivation in ``sampled_loss_triton``)."""
+    n_rows = scores.shape[0]
+    r = F.elu(scores, alpha=elu_param) if elu_param > 0 else scores
+    diag = torch.arange(n_rows, device=scores.device)
+    target = r[diag, diag].unsqueeze(1)
+    # the target is masked to 0 (not -inf) before the row max, as in the reference
+    masked = r.clone()
+    masked[diag, diag] = 0.0
+    e = torch.exp(masked - masked.max(dim=1, keepdim=True).values)
+    e[diag, diag] = 0.0
+    z = e.sum(dim=1, keepdim=True)
+    sig = torch.sigmoid(target - r)
+    pairwise = (e * sig).sum(dim=1, keepdim=True) / z
+    reg = (e * r * r).sum(dim=1, keepdim=True) / z
+    loss = -torch.log(pairwise + 1e-24) + bpreg * reg
+    return loss, (scores, r, e, z, sig, pairwise, reg)
+
+
+def _bprmax_grad(saved: tuple[Tensor, ...], bpreg: float, elu_param: float, scale) -> Tensor:
+    """d(sum of :func:`_bprmax_forward`'s row losses · scale) / d scores, ``[B', C]``."""
+    scores, r, e, z, sig, pairwise, reg = saved
+    n_rows = scores.shape[0]
+    diag = torch.arange(n_rows, device=scores.device)
+    s = e / z
+    inv_p = 1.0 / (pairwise + 1e-24)
+    sig_slope = sig * (1.0 - sig)
+    # negative k: its softmax weight and its own sigmoid move with r_k
+    dr = (s * (sig - pairwise - sig_slope)) * -inv_p + bpreg * (s * (r * r - reg + 2.0 * r))
+    # the target enters only through the sigmoids: -D / (P + eps), D = sum_j s_ij sig'_ij
+    dr[diag, diag] = -(s * sig_slope).sum(dim=1) * inv_p.squeeze(1)
+    if elu_param > 0:
+        # ELU'(x) = 1 above 0, alpha * exp(x) = ELU(x) + alpha below
+        dr = dr * torch.where(scores > 0, 1.0, r + elu_param)
+    return dr * scale
+
+
 class _FusedBPRMax(torch.autograd.Function):
     """BPR-max with its backward written out (the Triton kernel's formulas in PyTorch ops).
 
     Autograd through the reference records some twenty ops on ``[B', C]`` and replays their
     backward; here forward keeps the softmax numerators, the sigmoids and four numbers per row,
-    and backward is one expression per column (derivation in ``sampled_loss_triton``).
+    and backward is one expression per column.
     """
 
     @staticmethod
     def forward(ctx, scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> Tensor:
-        n_rows = scores.shape[0]
-        r = F.elu(scores, alpha=elu_param) if elu_param > 0 else scores
-        diag = torch.arange(n_rows, device=scores.device)
-        target = r[diag, diag].unsqueeze(1)
-        # the target is masked to 0 (not -inf) before the row max, as in the reference
-        masked = r.clone()
-        masked[diag, diag] = 0.0
-        e = torch.exp(masked - masked.max(dim=1, keepdim=True).values)
-        e[diag, diag] = 0.0
-        z = e.sum(dim=1, keepdim=True)
-        sig = torch.sigmoid(target - r)
-        pairwise = (e * sig).sum(dim=1, keepdim=True) / z
-        reg = (e * r * r).sum(dim=1, keepdim=True) / z
-        ctx.save_for_backward(scores, r, e, z, sig, pairwise, reg)
+        loss, saved = _bprmax_forward(scores, bpreg, elu_param)
+        ctx.save_for_backward(*saved)
         ctx.bpreg, ctx.elu_param, ctx.batch_size = bpreg, elu_param, batch_size
-        loss = -torch.log(pairwise + 1e-24) + bpreg * reg
         return loss.sum() / batch_size
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        scores, r, e, z, sig, pairwise, reg = ctx.saved_tensors
-        n_rows = scores.shape[0]
-        diag = torch.arange(n_rows, device=scores.device)
-        s = e / z
-        inv_p = 1.0 / (pairwise + 1e-24)
-        sig_slope = sig * (1.0 - sig)
-        # negative k: its softmax weight and its own sigmoid move with r_k
-        dr = (s * (sig - pairwise - sig_slope)) * -inv_p + ctx.bpreg * (s * (r * r - reg + 2.0 * r))
-        # the target enters only through the sigmoids: -D / (P + eps), D = sum_j s_ij sig'_ij
-        dr[diag, diag] = -(s * sig_slope).sum(dim=1) * inv_p.squeeze(1)
-        if ctx.elu_param > 0:
-            # ELU'(x) = 1 above 0, alpha * exp(x) = ELU(x) + alpha below
-            dr = dr * torch.where(scores > 0, 1.0, r + ctx.elu_param)
-        return dr * (grad_out / ctx.batch_size), None, None, None
+        return _bprmax_grad(ctx.saved_tensors, ctx.bpreg, ctx.elu_param, grad_out / ctx.batch_size), None, None, None
+
+
+def bprmax_value_and_grad(scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> tuple[Tensor, Tensor]:
+    """:func:`sampled_bprmax_fused`'s value and its gradient w.r.t. ``scores``, both computed now
+    (no graph): for a caller that writes out its own backward (the fused GRU4Rec step)."""
+    _validate_scores(scores, batch_size)
+    loss, saved = _bprmax_forward(scores, float(bpreg), float(elu_param))
+    return loss.sum() / batch_size, _bprmax_grad(saved, float(bpreg), float(elu_param), 1.0 / batch_size)
+
+
+def softmax_xe_value_and_grad(scores: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
+    """Softmax cross-entropy, row i's target in column i, summed over rows / ``batch_size`` (the
+    fast step's :meth:`recforge.losses.sampled.CrossEntropy.fast`), and its gradient w.r.t.
+    ``scores``, ``(softmax - onehot) / batch_size``, both computed now (no graph)."""
+    _validate_scores(scores, batch_size)
+    log_p = torch.log_softmax(scores, dim=1)
+    diagonal = log_p.diagonal()
+    loss = -diagonal.sum() / batch_size
+    grad = log_p.exp_()  # log_p is not read again: the softmax takes its place
+    grad.diagonal().sub_(1.0)
+    return loss, grad.div_(batch_size)
 
 
 def sampled_bprmax_fused(scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> Tensor:

@@ -16,10 +16,12 @@ from torch.nn import functional as F
 from recforge.config_values import Range
 from recforge.contracts import NEXT_ITEM_COLUMNS
 from recforge.kernels.sampled_loss import (
+    bprmax_value_and_grad,
     negatives_softmax,
     sampled_bprmax,
     sampled_bprmax_fused,
     sampled_softmax_xe,
+    softmax_xe_value_and_grad,
 )
 from recforge.kernels.twin import KernelImpl
 
@@ -49,6 +51,16 @@ class SampledLoss(nn.Module):
         """The loss of the fast training step (``task.fast_step``): the same function, its float
         operations free to be fused or reordered. A loss without a faster form is itself."""
         return self(scores, batch_size, log_q=log_q)
+
+    #: whether :meth:`fast_value_and_grad` is written out (else the fast step takes autograd)
+    has_value_and_grad: bool = False
+
+    def fast_value_and_grad(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`fast`'s value and its gradient w.r.t. ``scores``, computed at once without a
+        graph, for a step that writes out its own backward (GRU4Rec's fused fast step)."""
+        raise NotImplementedError(f"{type(self).__name__} has no written-out gradient")
 
 
 class CrossEntropy(SampledLoss):
@@ -90,6 +102,18 @@ class CrossEntropy(SampledLoss):
         targets = torch.arange(scores.shape[0], device=scores.device)
         return F.cross_entropy(scores, targets, reduction="sum") / batch_size
 
+    has_value_and_grad = True
+
+    def fast_value_and_grad(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # subtracting logq shifts the scores by constants: the gradient w.r.t. them is unchanged
+        if self.logq > 0.0:
+            if log_q is None:
+                raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
+            scores = scores - self.logq * log_q.unsqueeze(0)
+        return softmax_xe_value_and_grad(scores, batch_size)
+
 
 class _ELUScored(SampledLoss):
     """A loss whose final activation is ELU(alpha=elu_param); 0 keeps the scores linear."""
@@ -129,6 +153,13 @@ class BPRMax(_ELUScored):
     ) -> torch.Tensor:
         """The same loss with its backward written out (:func:`sampled_bprmax_fused`)."""
         return sampled_bprmax_fused(scores, self.bpreg, self.elu_param, batch_size)
+
+    has_value_and_grad = True
+
+    def fast_value_and_grad(
+        self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return bprmax_value_and_grad(scores, self.bpreg, self.elu_param, batch_size)
 
 
 class TOP1Max(_ELUScored):

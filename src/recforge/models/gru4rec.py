@@ -7,6 +7,7 @@ scores either a few item columns (training: targets + negatives) or the whole ca
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 import torch
@@ -16,6 +17,7 @@ from torch.nn import functional as F
 from recforge.config_values import Range
 from recforge.contracts import SessionModel
 from recforge.errors import UserInputError
+from recforge.models.gru4rec_fused_step import fused_train_step
 from recforge.models.row_lookup import shared_row_lookup, unique_row_lookup
 
 
@@ -251,6 +253,23 @@ class GRU4Rec(nn.Module):
             x, weights = rows[: len(items)], rows[len(items) :]
         output, new_hidden = self._recur(self._drop_embedding(x), hidden)
         return output @ weights.T + self.By(columns).T, new_hidden
+
+    @property
+    def fused_step_supported(self) -> bool:
+        """Whether :func:`recforge.models.gru4rec_fused_step.fused_train_step` computes this
+        model's fast step: the shared embedding, one ``nn.GRUCell`` layer, sparse item tables."""
+        return (self.constrained_embedding and len(self.cells) == 1 and isinstance(self.cells[0], nn.GRUCell)
+                and self.Wy.sparse and self.By.sparse)
+
+    def fused_train_step(
+        self, items: torch.Tensor, hidden: torch.Tensor, columns: torch.Tensor,
+        value_and_grad: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fast step's loss and new hidden state ``[B, h]``, backward written out (where
+        :attr:`fused_step_supported`): ``value_and_grad(scores [B, C]) -> (loss, d loss / d
+        scores)``; see :mod:`recforge.models.gru4rec_fused_step`. :meth:`train_step` with
+        ``distinct_rows=True`` followed by the loss is its autograd twin."""
+        return fused_train_step(self, items, hidden, columns, value_and_grad)
 
     def _train_step_distinct(
         self, items: torch.Tensor, hidden: list[torch.Tensor], columns: torch.Tensor

@@ -65,18 +65,30 @@ class _UniqueRowLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
         rows, keep = ctx.saved_tensors
-        weight = ctx.weight()
         if keep is not None:
             rows, grad_rows = rows[keep], grad_rows[keep]
-        indices = rows.unsqueeze(0)
-        grad = torch.sparse_coo_tensor(
-            indices, grad_rows, ctx.weight_shape, check_invariants=False, is_coalesced=True
-        )
-        if weight is not None:
-            # Autograd stores a parameter's first gradient as a new sparse tensor over the same
-            # indices and values, without the coalesced flag; _mark_distinct puts it back.
-            weight._distinct_grad_indices = (indices.data_ptr(), indices.shape[1])
-        return grad, None, None
+        return distinct_rows_gradient(ctx.weight(), rows, grad_rows, ctx.weight_shape), None, None
+
+
+def distinct_rows_gradient(weight: Tensor | None, rows: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
+    """The sparse COO gradient ``values [R, ...]`` at ``rows [R]`` (distinct, sorted) of a
+    ``shape`` table, flagged coalesced. ``weight``: the table, if alive: its gradient keeps the
+    flag after accumulation (see :func:`watch_distinct_rows`)."""
+    indices = rows.unsqueeze(0)
+    grad = torch.sparse_coo_tensor(indices, values, shape, check_invariants=False, is_coalesced=True)
+    if weight is not None:
+        # Autograd stores a parameter's first gradient as a new sparse tensor over the same
+        # indices and values, without the coalesced flag; _mark_distinct puts it back.
+        weight._distinct_grad_indices = (indices.data_ptr(), indices.shape[1])
+    return grad
+
+
+def watch_distinct_rows(weight: Tensor) -> None:
+    """Have ``weight``'s accumulated gradient flagged coalesced when it is exactly one
+    :func:`distinct_rows_gradient` (once per parameter; a no-op after the first call)."""
+    if weight.requires_grad and not getattr(weight, "_distinct_grad_hooked", False):
+        weight.register_post_accumulate_grad_hook(_mark_distinct)
+        weight._distinct_grad_hooked = True
 
 
 def _mark_distinct(weight: Tensor) -> None:
@@ -115,7 +127,5 @@ def unique_row_lookup(weight: Tensor, rows: Tensor, keep: Tensor | None = None) 
         ``[U, d]`` rows; backward gives ``weight`` a sparse COO gradient over ``rows[keep]``,
         flagged coalesced when it is the parameter's only gradient.
     """
-    if weight.requires_grad and not getattr(weight, "_distinct_grad_hooked", False):
-        weight.register_post_accumulate_grad_hook(_mark_distinct)
-        weight._distinct_grad_hooked = True
+    watch_distinct_rows(weight)
     return _UniqueRowLookup.apply(weight, rows, keep)

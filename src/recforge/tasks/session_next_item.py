@@ -1,6 +1,7 @@
 """LightningModule for session-based next-item models trained session-parallel (GRU4Rec)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
@@ -172,6 +173,13 @@ class SessionNextItemTask(RecTask):
             log_q = self.log_popularity[batch.targets]
             if negatives is not None:
                 log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
+        if self.fast_step and getattr(self.model, "fused_step_supported", False) and self.loss.has_value_and_grad:
+            # the whole step in one autograd node, its backward written out (GRU4Rec's presets)
+            loss, new_hidden = self.model.fused_train_step(
+                batch.inputs, state[0], columns,
+                functools.partial(self.loss.fast_value_and_grad, batch_size=self.batch_size, log_q=log_q))
+            self._train_hidden = [new_hidden]
+            return loss
         scores, new_state = self.model.train_step(batch.inputs, state, columns, distinct_rows=self.fast_step)
         self._train_hidden = [h.detach() for h in new_state]
         loss = self.loss.fast if self.fast_step else self.loss
