@@ -98,10 +98,11 @@ class HSTULayer(nn.Module):
         total = x.shape[0]
         h, dqk, dv = self.num_heads, self.dqk, self.dv
         normed = F.layer_norm(x, (self.embedding_dim,), eps=_LN_EPS)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or normed.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
             projected = F.silu(normed @ self.uvqk)
         else:
-            # no backward: the layers' shared scratch, activated in place (see HSTU.scratch)
+            # no backward, glibc's malloc (CUDA's allocator caches by itself), no autocast (which
+            # picks the product's dtype): the layers' shared scratch, activated in place
             scratch = self.scratch.take((total, self.uvqk.shape[1]), normed.dtype, normed.device)
             projected = F.silu(torch.mm(normed, self.uvqk, out=scratch), inplace=True)
         u, v, q, k = projected.split([h * dv, h * dv, h * dqk, h * dqk], dim=1)

@@ -7,7 +7,8 @@ of them is a fresh ``mmap`` and a page fault per 4 KiB, at every batch (issue 22
 
 The tensor :meth:`ReusedBuffer.take` returns is overwritten by the next ``take``: the owner uses
 it within one call and returns nothing that views it. Under autograd, where a saved tensor may
-outlive the call, ``take`` gives a fresh tensor instead, so a graph never holds the scratch.
+outlive the call, ``take`` gives a fresh tensor instead, so a graph never holds the scratch; so it
+does off the CPU, where PyTorch's caching allocator already reuses blocks.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class ReusedBuffer:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous ``shape`` tensor: the kept storage where autograd is off,
         a new tensor where it is on (see the module docstring)."""
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.device(device).type != "cpu":
+            # (on a GPU the caching allocator already hands the same blocks out again)
             return torch.empty(shape, dtype=dtype, device=device)
         numel = 1
         for size in shape:
