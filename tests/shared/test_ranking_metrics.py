@@ -113,6 +113,23 @@ def test_hand_metrics_other_policies(ties: str) -> None:
     assert got["mrr"].item() == pytest.approx(sum(1 / r for r in HAND_RANKS[ties]) / 3)
 
 
+@pytest.mark.parametrize("chunk_size", [32_767, 32_768, 70_000], ids=["int16-full", "int32", "int32-whole"])
+def test_counts_at_the_width_of_their_per_chunk_sums(chunk_size: int) -> None:
+    """A chunk's counts are summed in 16 bits up to 32,767 columns, in 32 above: rows whose every
+    column beats or ties the target, over 70,000 items, count exactly (hand-computed)."""
+    n_items = 70_000
+    queries = torch.tensor([[1.0], [1.0], [-1.0]])
+    items = torch.ones(n_items, 1)
+    items[5] = 0.0   # row 0's target: every other item scores above it
+    items[-1] = 2.0  # one item above the rest
+    targets = torch.tensor([5, 7, 3])
+    n_greater, n_equal = target_rank_counts(queries, items, None, targets, chunk_size=chunk_size)
+    # row 0: 69,999 above; row 1: only the 2.0 item above, 69,998 ties (itself included);
+    # row 2 (scores negated): the 0.0 item above, the 2.0 one below, 69,998 ties
+    assert n_greater.tolist() == [n_items - 1, 1, 1]
+    assert n_equal.tolist() == [1, n_items - 2, n_items - 2]
+
+
 def test_constant_scores() -> None:
     n_rows, n_items, dim = 4, 10, 3
     queries = torch.ones(n_rows, dim)

@@ -266,6 +266,9 @@ def _target_rank_counts_chunked(
     n_greater = torch.zeros(n_rows, dtype=torch.int64, device=device)
     n_equal = torch.ones(n_rows, dtype=torch.int64, device=device)
     cols = torch.arange(min(chunk_size, max(n_items, 1)), device=device)
+    # A chunk's count fits 16 bits (up to 32,767 columns): summing the [B, C] masks into int16
+    # casts 2 bytes an element where the default int64 casts 8 (3x faster on CPU; issue 22)
+    count_dtype = torch.int16 if cols.numel() <= torch.iinfo(torch.int16).max else torch.int32
     if exclude_items is not None:
         # Excluded pairs are dropped from each chunk's keep mask, next to the target's column, so
         # the comparisons run on the very scores computed for the chunk (no separate scoring that
@@ -284,8 +287,8 @@ def _target_rank_counts_chunked(
         if exclude_items is not None and bounds[k + 1] > bounds[k]:
             pairs = slice(bounds[k], bounds[k + 1])
             keep[ex_rows[pairs], ex_items[pairs] - start] = False
-        n_greater += ((scores > threshold) & keep).sum(dim=1)
-        n_equal += ((scores == threshold) & keep).sum(dim=1)
+        n_greater += ((scores > threshold) & keep).sum(dim=1, dtype=count_dtype)
+        n_equal += ((scores == threshold) & keep).sum(dim=1, dtype=count_dtype)
 
     return n_greater, n_equal
 
