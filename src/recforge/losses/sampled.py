@@ -95,24 +95,25 @@ class CrossEntropy(SampledLoss):
         probability is below ~1e-24 (a target 55 nats under its row's best column); there the
         reference's gradient vanishes and this one does not.
         """
-        if self.logq > 0.0:
-            if log_q is None:
-                raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
-            scores = scores - self.logq * log_q.unsqueeze(0)
+        scores = self._corrected(scores, log_q)
         targets = torch.arange(scores.shape[0], device=scores.device)
         return F.cross_entropy(scores, targets, reduction="sum") / batch_size
+
+    def _corrected(self, scores: torch.Tensor, log_q: torch.Tensor | None) -> torch.Tensor:
+        """The scores the fast forms' softmax reads: ``scores - logq * log q`` (a shift by
+        constants, so the gradient w.r.t. the scores is the same)."""
+        if self.logq == 0.0:
+            return scores
+        if log_q is None:
+            raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
+        return scores - self.logq * log_q.unsqueeze(0)
 
     has_value_and_grad = True
 
     def fast_value_and_grad(
         self, scores: torch.Tensor, batch_size: int, log_q: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # subtracting logq shifts the scores by constants: the gradient w.r.t. them is unchanged
-        if self.logq > 0.0:
-            if log_q is None:
-                raise ValueError("loss.logq > 0 needs the columns' log sampling weights")
-            scores = scores - self.logq * log_q.unsqueeze(0)
-        return softmax_xe_value_and_grad(scores, batch_size)
+        return softmax_xe_value_and_grad(self._corrected(scores, log_q), batch_size)
 
 
 class _ELUScored(SampledLoss):

@@ -12,6 +12,8 @@ does off the CPU, where PyTorch's caching allocator already reuses blocks.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -27,9 +29,7 @@ class ReusedBuffer:
         if torch.is_grad_enabled() or torch.device(device).type != "cpu":
             # (on a GPU the caching allocator already hands the same blocks out again)
             return torch.empty(shape, dtype=dtype, device=device)
-        numel = 1
-        for size in shape:
-            numel *= int(size)
+        numel = math.prod(shape)
         kept = self._storage
         # an inference-mode tensor cannot be written outside inference mode (and the reverse is
         # kept apart too, so the storage is always of the kind the call is in)
