@@ -145,6 +145,31 @@ def test_fused_bprmax_equals_the_reference_forward_and_backward(elu_param, bpreg
     assert BPRMax(bpreg=bpreg, elu_param=elu_param).fast(scores, 32).item() == pytest.approx(want.item(), rel=1e-12)
 
 
+def test_fused_bprmax_without_autograd_gives_the_reference_value():
+    scores = torch.randn(5, 30, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    with torch.no_grad():
+        got = sampled_bprmax_fused(scores, 0.5, 0.5, 8)
+    assert got.item() == pytest.approx(sampled_bprmax_reference(scores, 0.5, 0.5, 8).item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("elu_param", [0.0, 0.5])
+def test_fused_bprmax_in_float32_stays_near_the_float64_reference(elu_param):
+    """The written-out gradient folds σ − P − σ(1 − σ) into σ² − P: in float32, with sigmoids
+    saturated both ways (scores spread over ±40) and the preset's shape, it still lands within
+    float32 round-off of the float64 reference, relative to the gradient's own size."""
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(32, 2080, generator=g, dtype=torch.float64) * 12
+    scores[:, :32] += torch.eye(32, dtype=torch.float64) * 20  # some targets far ahead
+    want_scores = scores.clone().requires_grad_()
+    want = sampled_bprmax_reference(want_scores, 0.5, elu_param, 32)
+    (grad_want,) = torch.autograd.grad(want, want_scores)
+    got_scores = scores.float().requires_grad_()
+    got = sampled_bprmax_fused(got_scores, 0.5, elu_param, 32)
+    (grad_got,) = torch.autograd.grad(got, got_scores)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert (grad_got.double() - grad_want).abs().max() <= 1e-5 * grad_want.abs().max()
+
+
 @pytest.mark.parametrize("loss", [CrossEntropy(logq=1.0), BPRMax(bpreg=0.5, elu_param=0.5)])
 def test_updates_of_the_fast_step_follow_the_exact_ones(loss):
     """Five optimizer steps (sparse Adagrad with momentum, as trained) from one init: the weights

@@ -171,72 +171,78 @@ def sampled_bprmax_reference(
     return loss.sum() / batch_size
 
 
-def _bprmax_forward(scores: Tensor, bpreg: float, elu_param: float) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """BPR-max's per-row losses ``[B', 1]`` and what its written-out gradient reads: the softmax
-    numerators, the sigmoids and four numbers per row (derivation in ``sampled_loss_triton``)."""
-    n_rows = scores.shape[0]
-    r = F.elu(scores, alpha=elu_param) if elu_param > 0 else scores
-    diag = torch.arange(n_rows, device=scores.device)
-    target = r[diag, diag].unsqueeze(1)
-    # the target is masked to 0 (not -inf) before the row max, as in the reference
-    masked = r.clone()
-    masked[diag, diag] = 0.0
-    e = torch.exp(masked - masked.max(dim=1, keepdim=True).values)
-    e[diag, diag] = 0.0
-    z = e.sum(dim=1, keepdim=True)
-    sig = torch.sigmoid(target - r)
-    pairwise = (e * sig).sum(dim=1, keepdim=True) / z
-    reg = (e * r * r).sum(dim=1, keepdim=True) / z
-    loss = -torch.log(pairwise + 1e-24) + bpreg * reg
-    return loss, (scores, r, e, z, sig, pairwise, reg)
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``Σ_j a_ij b_ij`` as ``[B', 1]``, without the ``[B', C]`` product."""
+    return torch.linalg.vecdot(a, b).unsqueeze(1)
 
 
-def _bprmax_grad(saved: tuple[Tensor, ...], bpreg: float, elu_param: float, scale) -> Tensor:
-    """d(sum of :func:`_bprmax_forward`'s row losses · scale) / d scores, ``[B', C]``."""
-    scores, r, e, z, sig, pairwise, reg = saved
-    n_rows = scores.shape[0]
-    diag = torch.arange(n_rows, device=scores.device)
-    s = e / z
-    inv_p = 1.0 / (pairwise + 1e-24)
-    sig_slope = sig * (1.0 - sig)
-    # negative k: its softmax weight and its own sigmoid move with r_k
-    dr = (s * (sig - pairwise - sig_slope)) * -inv_p + bpreg * (s * (r * r - reg + 2.0 * r))
-    # the target enters only through the sigmoids: -D / (P + eps), D = sum_j s_ij sig'_ij
-    dr[diag, diag] = -(s * sig_slope).sum(dim=1) * inv_p.squeeze(1)
+def _bprmax_value_and_grad(
+    scores: Tensor, bpreg: float, elu_param: float, batch_size: int, with_grad: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """BPR-max's loss (rows summed, over ``batch_size``) and, if ``with_grad``, its gradient
+    w.r.t. ``scores`` ``[B', C]``, in few passes over the matrix.
+
+    With ``s`` the negatives' softmax, ``σ_k = σ(r_ii − r_ik)``, ``P = Σ s σ`` and
+    ``reg = Σ s r²`` per row, the row loss is ``−log(P + ε) + bpreg·reg`` and
+
+        dL/dr_k = s_k (1 − σ_k² / (P + ε) + bpreg (r_k² + 2 r_k − reg))      (a negative k)
+        dL/dr_i = −(P − Σ s σ²) / (P + ε)                                   (the target)
+
+    (``σ_k − P − σ_k(1 − σ_k)`` folded into ``σ_k² − P``, and ``Σ s σ(1 − σ)`` into ``P − Σ s σ²``),
+    then times ELU' where ``elu_param > 0``. The Triton kernels' derivation is the same before
+    the folding (``sampled_loss_triton``). Values equal the reference's up to float round-off;
+    this is the fast step's loss, not the bit-exact one.
+    """
+    r = F.elu(scores, alpha=elu_param) if elu_param > 0 else scores.clone()
+    diagonal = r.diagonal()  # row i's target, a view into r
+    target = diagonal.clone()
+    diagonal.zero_()  # the target takes part in the row max as 0, as in the reference
+    e = torch.sub(r, r.amax(dim=1, keepdim=True)).exp_()
+    e.diagonal().zero_()
+    diagonal.copy_(target)
+    inv_z = e.sum(dim=1, keepdim=True).reciprocal_()
+    sig = torch.sub(target.unsqueeze(1), r).sigmoid_()
+    pairwise = _row_dot(e, sig).mul_(inv_z)
+    r_sq = r * r
+    reg = _row_dot(e, r_sq).mul_(inv_z)
+    loss = (bpreg * reg - torch.log(pairwise + 1e-24)).sum() / batch_size
+    if not with_grad:
+        return loss, None
+    neg_inv_p = (pairwise + 1e-24).reciprocal_().neg_()
+    sig_sq = sig.mul_(sig)
+    target_grad = (pairwise - _row_dot(e, sig_sq).mul_(inv_z)).mul_(neg_inv_p)
+    grad = r_sq.add_(r, alpha=2.0).mul_(bpreg).add_(1.0 - bpreg * reg).addcmul_(sig_sq, neg_inv_p)
+    grad.mul_(e).mul_(inv_z)
+    grad.diagonal().copy_(target_grad.squeeze(1))
+    grad.div_(batch_size)
     if elu_param > 0:
-        # ELU'(x) = 1 above 0, alpha * exp(x) = ELU(x) + alpha below
-        dr = dr * torch.where(scores > 0, 1.0, r + elu_param)
-    return dr * scale
+        grad = torch.ops.aten.elu_backward(grad, elu_param, 1, 1, False, scores)
+    return loss, grad
 
 
 class _FusedBPRMax(torch.autograd.Function):
-    """BPR-max with its backward written out (the Triton kernel's formulas in PyTorch ops).
-
-    Autograd through the reference records some twenty ops on ``[B', C]`` and replays their
-    backward; here forward keeps the softmax numerators, the sigmoids and four numbers per row,
-    and backward is one expression per column.
-    """
+    """BPR-max with its backward written out: forward computes the gradient with the value
+    (:func:`_bprmax_value_and_grad`), backward scales it; autograd through the reference
+    records some twenty ops on ``[B', C]`` and replays their backward."""
 
     @staticmethod
     def forward(ctx, scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> Tensor:
-        loss, saved = _bprmax_forward(scores, bpreg, elu_param)
-        ctx.save_for_backward(*saved)
-        ctx.bpreg, ctx.elu_param, ctx.batch_size = bpreg, elu_param, batch_size
-        return loss.sum() / batch_size
+        loss, grad = _bprmax_value_and_grad(scores, bpreg, elu_param, batch_size,
+                                            with_grad=ctx.needs_input_grad[0])
+        ctx.save_for_backward(grad)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        return _bprmax_grad(ctx.saved_tensors, ctx.bpreg, ctx.elu_param, grad_out / ctx.batch_size), None, None, None
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_out), None, None, None
 
 
 def bprmax_value_and_grad(scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> tuple[Tensor, Tensor]:
     """:func:`sampled_bprmax_fused`'s value and its gradient w.r.t. ``scores``, both computed now
     (no graph): for a caller that writes out its own backward (the fused GRU4Rec step)."""
     _validate_scores(scores, batch_size)
-    loss, saved = _bprmax_forward(scores, float(bpreg), float(elu_param))
-    return loss.sum() / batch_size, _bprmax_grad(saved, float(bpreg), float(elu_param), 1.0 / batch_size)
+    return _bprmax_value_and_grad(scores, float(bpreg), float(elu_param), batch_size)
 
 
 def softmax_xe_value_and_grad(scores: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
