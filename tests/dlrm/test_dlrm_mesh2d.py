@@ -83,9 +83,18 @@ def _run(args: list[str], log_dir, data, checkpoints: bool = False) -> dict:
                        log_dir, checkpoints)
 
 
+@pytest.fixture(scope="module")
+def mesh_epoch(tmp_path_factory, prepared):
+    """One epoch on the 2 x 2 mesh with sparse table gradients (the default), its checkpoint kept:
+    the sparse case of the equivalence test and the first leg of the resume test (four processes
+    on two cores: the suite runs it once)."""
+    return _run([*MESH, f"data.batch_size={BATCH}"], tmp_path_factory.mktemp("mesh_epoch"), prepared[1],
+                checkpoints=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("gradients", ["sparse", "dense"])
-def test_a_2x2_mesh_trains_as_one_process_on_the_same_global_batches(tmp_path, prepared, gradients):
+def test_a_2x2_mesh_trains_as_one_process_on_the_same_global_batches(tmp_path, prepared, mesh_epoch, gradients):
     """``STEPS`` updates: the ranks of one data-parallel index split the table's rows, the two
     data-parallel indices read different halves of every global batch. Each rank's rows (shaped by
     row-wise Adagrad), the dense layers and the test metrics (every row scored once) equal the one
@@ -96,7 +105,8 @@ def test_a_2x2_mesh_trains_as_one_process_on_the_same_global_batches(tmp_path, p
     table_gradients = [f"model.sparse_gradients={gradients == 'sparse'}".lower()]
     single = _run(["hardware=cpu", f"data.batch_size={2 * BATCH}", *table_gradients], tmp_path / "single",
                   single_data)
-    mesh = _run([*MESH, f"data.batch_size={BATCH}", *table_gradients], tmp_path / "mesh", mesh_data)
+    mesh = mesh_epoch if gradients == "sparse" else _run([*MESH, f"data.batch_size={BATCH}", *table_gradients],
+                                                         tmp_path / "mesh", mesh_data)
     assert "Initializing distributed: GLOBAL_RANK: 3, MEMBER: 4/4" in mesh["out"]
     (whole,), ranks = single["ranks"], mesh["ranks"]
     table = whole[TABLE]
@@ -129,7 +139,7 @@ ONE_ON_A_MESH = ["hardware=model_parallel_cpu", "trainer.devices=1", "trainer.st
 
 
 @pytest.mark.slow
-def test_a_2x2_run_resumed_on_one_process_then_on_the_mesh_trains_as_one_process(tmp_path, prepared):
+def test_a_2x2_run_resumed_on_one_process_then_on_the_mesh_trains_as_one_process(tmp_path, prepared, mesh_epoch):
     """Epoch 1 on the 2 x 2 mesh, epoch 2 on one process, epoch 3 on the mesh again (distributed
     checkpoints read at each layout) end where 3 epochs of one process end: every rank's rows, with
     the row-wise Adagrad state that shaped them, the dense layers and the test metrics. Then
@@ -137,7 +147,7 @@ def test_a_2x2_run_resumed_on_one_process_then_on_the_mesh_trains_as_one_process
     single_data, mesh_data = prepared
     on_mesh = [*MESH, f"data.batch_size={BATCH}"]
     straight = _run([*ONE, "trainer.max_epochs=3"], tmp_path / "straight", single_data)
-    first = _run([*on_mesh, "trainer.max_epochs=1"], tmp_path / "first", mesh_data, checkpoints=True)
+    first = mesh_epoch  # epoch 1 on the mesh
     assert len(list(first["last"].glob("*.distcp"))) == 4
     second = _run([*ONE_ON_A_MESH, "trainer.max_epochs=2", f"ckpt_path={first['last']}"], tmp_path / "second",
                   single_data, checkpoints=True)

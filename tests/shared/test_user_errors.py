@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -273,8 +274,7 @@ def test_more_gpus_than_the_machine_has_are_refused_naming_the_count(tmp_path):
 # ---------------------------------------------------------------- the command line itself
 @pytest.mark.slow
 def test_errors_are_one_line_on_the_command_line(tmp_path, files):
-    checkout = user_checkout(tmp_path / "repo", FILES_RUN)
-    for command, line in [
+    cases = [
         ("python src/train.py loss=bprmax loss.bpreg=abc", "recforge: loss.bpreg=abc: expected a number >= 0"),
         (f"python src/train.py data=rsc15 data.train_path={files['single']} data.test_path={files['test']}",
          f"recforge: data.train_path={files['single']}: nothing to train on"),
@@ -284,16 +284,21 @@ def test_errors_are_one_line_on_the_command_line(tmp_path, files):
           if shutil.which("srun") is None else []),
         *([("python src/train.py hardware=gpu", "recforge: hardware=gpu: trainer.accelerator=gpu, but torch sees no GPU")]
           if not torch.cuda.is_available() else []),
-    ]:
-        done = run_command(command, cwd=checkout)
+    ]
+    # each command in a checkout of its own (run folders are named to the second), all at once:
+    # most of each is the interpreter's start-up, which two cores overlap
+    checkouts = [user_checkout(tmp_path / f"repo{i}", FILES_RUN) for i in range(len(cases))]
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        runs = list(pool.map(lambda case, checkout: run_command(case[0], cwd=checkout), cases, checkouts))
+    for (command, line), checkout, done in zip(cases, checkouts, runs, strict=True):
         assert done.returncode != 0, command
         assert done.stderr.strip().splitlines()[-1].startswith(line), done.stderr[-2000:]
         assert "Traceback" not in done.stderr, command
         # the one line is all: no config tree, no seed banner before it
         assert len((done.stdout + done.stderr).strip().splitlines()) == 1, done.stdout[-2000:] + done.stderr[-2000:]
         if " -m " not in command:  # the run directory it leaves says why it stopped
-            logs = sorted((checkout / "outputs").glob("*/runs/*/*.log"), key=lambda f: f.stat().st_mtime)
-            assert line in logs[-1].read_text(), (command, logs[-1])
+            (log,) = (checkout / "outputs").glob("*/runs/*/*.log")
+            assert line in log.read_text(), (command, log)
         assert not list((checkout / "outputs").rglob("*.ckpt"))
 
 
