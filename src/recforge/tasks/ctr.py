@@ -10,7 +10,12 @@ from torch import nn
 from recforge.config_values import Range
 from recforge.contracts import CTR_LOGITS, CTRModel, Evaluation
 from recforge.data.batches import CTRBatch
-from recforge.distributed.data_parallel import average_over_replicas_, replicate_dense
+from recforge.distributed.data_parallel import (
+    average_dense_grads_,
+    average_over_replicas_,
+    dense_parameters,
+    replicate_dense,
+)
 from recforge.distributed.strategy import sharded_tables
 from recforge.errors import UserInputError
 from recforge.evaluation import CTREvaluation
@@ -85,15 +90,21 @@ class CTRTask(RecTask):
         mesh = self.device_mesh
         self.model.shard_tables(None if mesh is None else mesh["tensor_parallel"])
         if mesh is not None:
-            replicate_dense(self.model, mesh)
             # a table-sharding group's ranks evaluate the same rows: each row counts once
             self.evaluation.reduce_over(mesh["data_parallel"].get_group())
 
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.device_mesh is not None:
+            # once the strategy has put the model on its device: rank 0's dense layers are everyone's
+            replicate_dense(self.model, self.device_mesh)
+
     def on_after_backward(self) -> None:
-        # the dense layers' gradients were averaged in backward (replicate_dense); a table shard
-        # is replicated only across the data-parallel ranks that hold the same rows
+        # the dense layers are replicated on every rank; a table shard only across the
+        # data-parallel ranks that hold the same rows
         mesh = self.device_mesh
         if mesh is not None:
+            average_dense_grads_(dense_parameters(self.model), mesh)
             average_over_replicas_(sharded_tables(self.model).values(), mesh["data_parallel"])
 
     # ------------------------------------------------------------------ optimisation
