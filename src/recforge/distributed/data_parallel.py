@@ -7,14 +7,13 @@ data-parallel index read the same batches and split the tables' rows between the
 two ways:
 
 * the dense layers (dense arch, interaction, over arch) are replicated on every rank:
-  :func:`replicate_dense` makes rank 0's copy everyone's once (as DDP does at construction), and
-  after every backward :func:`average_dense_grads_` averages their gradients over all ranks in one
-  all-reduce of the gradients laid end to end. The ranks of one table-sharding group contribute
-  identical gradients, so that average is the average over the data-parallel shares; taking it
-  over all ranks keeps every copy of the dense layers bit-identical. No wrapper: parameter names
-  and checkpoints stay those of the plain model. (DDP's composable ``replicate`` did this before;
-  it is private API. DDP overlaps its all-reduce with the backward; the dense layers of DLRM are a
-  few MB, one all-reduce after it.)
+  :func:`replicate_dense` makes rank 0's copy everyone's once (as DDP does when it wraps a module),
+  and after every backward :func:`average_dense_grads_` averages their gradients over the
+  data-parallel ranks, laid end to end in one DTensor redistribution. The ranks of one
+  table-sharding group compute identical gradients from the same batches, so every copy of the
+  dense layers stays bit-identical. No wrapper: parameter names and checkpoints stay those of the
+  plain model. (DDP's composable ``replicate`` did this before; it is private API. DDP overlaps its
+  all-reduce with the backward; DLRM's dense layers are a few MB, one all-reduce after it.)
 * a table shard is replicated only across ``data_parallel`` (the ranks holding the same rows):
   its gradient is averaged over that group. A sparse gradient goes through
   :func:`recforge.optim.sparse_grad_sync.average_sparse_grads_` (DDP's and gloo's sparse
@@ -30,9 +29,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from recforge.distributed.sharded_table import RowShardedEmbedding
 from recforge.optim.sparse_grad_sync import average_sparse_grads_
@@ -46,18 +44,12 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in in_tables]
 
 
-def _world_of(mesh: DeviceMesh) -> None:
-    # the collectives below take the default group: Lightning's mesh spans every process
-    if mesh.size() != dist.get_world_size():
-        raise RuntimeError(f"the mesh holds {mesh.size()} of {dist.get_world_size()} processes; the dense "
-                           "layers are averaged over all of them")
-
-
-def _end_to_end(tensors: list[torch.Tensor]) -> dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor]]:
+def _end_to_end(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """The tensors laid end to end in one flat tensor per dtype (one collective each)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    return {dtype: (group, torch.cat([t.reshape(-1) for t in group])) for dtype, group in by_dtype.items()}
+    return [(group, torch.cat([t.reshape(-1) for t in group])) for group in by_dtype.values()]
 
 
 def _copy_back(group: list[torch.Tensor], flat: torch.Tensor) -> None:
@@ -69,32 +61,35 @@ def _copy_back(group: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 @torch.no_grad()
 def replicate_dense(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Give every rank of ``mesh`` rank 0's values of ``model``'s dense parameters, when ``mesh``
-    has more than one data-parallel rank (a collective; idempotent). ``mesh``: Lightning's 2-D mesh.
-    Seeded runs start identical anyway; this makes it so whatever drew the weights."""
+    """Give every rank of ``mesh`` (Lightning's 2-D mesh) rank 0's values of ``model``'s dense
+    parameters, as DDP does when it wraps a module: DTensor's ``distribute_tensor`` to a replica on
+    every rank, from the first rank of each mesh dimension. A collective; idempotent. Seeded runs
+    start identical anyway; this makes it so whatever drew the weights."""
     if mesh["data_parallel"].size() == 1:
         return
-    _world_of(mesh)
-    for group, flat in _end_to_end([p.data for p in dense_parameters(model)]).values():
-        dist.broadcast(flat, src=0)
-        _copy_back(group, flat)
+    for group, flat in _end_to_end([p.data for p in dense_parameters(model)]):
+        _copy_back(group, distribute_tensor(flat, mesh, [Replicate()] * mesh.ndim).to_local())
 
 
 @torch.no_grad()
 def average_dense_grads_(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Replace the gradient of each of ``params`` (:func:`dense_parameters`) by its mean over every
-    rank of ``mesh``, in one all-reduce per dtype; a parameter without a gradient takes part with
-    zeros and then has one (every rank must join the same collective). A collective: every rank
-    calls it with the same parameters in the same order. Nothing to do with one data-parallel rank."""
-    if mesh["data_parallel"].size() == 1 or not params:
+    """Replace the gradient of each of ``params`` (:func:`dense_parameters`) by its mean over the
+    data-parallel ranks, as DDP does in backward: the gradients laid end to end, one DTensor
+    ``Partial("avg")`` -> ``Replicate`` over ``mesh["data_parallel"]`` per dtype. The ranks of one
+    table-sharding group hold identical gradients (the same batches), so every copy of the dense
+    layers stays identical. A parameter without a gradient takes part with zeros and then has one
+    (every rank must join the same collective). A collective: every rank calls it with the same
+    parameters in the same order. Nothing to do with one data-parallel rank."""
+    replicas = mesh["data_parallel"]
+    if replicas.size() == 1 or not params:
         return
-    _world_of(mesh)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    for group, flat in _end_to_end([p.grad for p in params]).values():
-        dist.all_reduce(flat)  # a sum: gloo has no average
-        _copy_back(group, flat.div_(dist.get_world_size()))
+    for group, flat in _end_to_end([p.grad for p in params]):
+        mean = DTensor.from_local(flat, replicas, [Partial("avg")], run_check=False).redistribute(
+            replicas, [Replicate()]).to_local()
+        _copy_back(group, mean)
 
 
 def average_over_replicas_(tables: Iterable[RowShardedEmbedding], replicas: DeviceMesh) -> None:
