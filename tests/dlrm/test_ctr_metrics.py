@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
+from gloo_ranks import run_ranks
 from sklearn_peer import sklearn_peer
 
 from recforge.errors import UserInputError
@@ -197,37 +193,23 @@ def test_merging_two_shards_equals_one_metric() -> None:
     assert abs(shard_mean.item() - want["auc"].item()) > 1e-4  # the test can tell the two apart
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        logits, labels = _tied_problem(2501, seed=7)
-        uneven = CTRMetrics(metrics=ALL)
-        lo, hi = ((0, 400), (400, 2501))[rank]
-        uneven.update(logits[lo:hi], labels[lo:hi])
-        one_sided = CTRMetrics(metrics=ALL)  # rank 1 sees no rows at all
-        if rank == 0:
-            one_sided.update(logits, labels)
-        out[rank] = {
-            "uneven": {k: v.item() for k, v in uneven.compute().items()},
-            "one_sided": {k: v.item() for k, v in one_sided.compute().items()},
-        }
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int) -> dict:
+    logits, labels = _tied_problem(2501, seed=7)
+    uneven = CTRMetrics(metrics=ALL)
+    lo, hi = ((0, 400), (400, 2501))[rank]
+    uneven.update(logits[lo:hi], labels[lo:hi])
+    one_sided = CTRMetrics(metrics=ALL)  # rank 1 sees no rows at all
+    if rank == 0:
+        one_sided.update(logits, labels)
+    return {
+        "uneven": {k: v.item() for k, v in uneven.compute().items()},
+        "one_sided": {k: v.item() for k, v in one_sided.compute().items()},
+    }
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_metric() -> None:
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
-        results = dict(out)
+    results = run_ranks(_worker)
     logits, labels = _tied_problem(2501, seed=7)
     whole = CTRMetrics(metrics=ALL)
     whole.update(logits, labels)

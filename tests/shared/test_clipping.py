@@ -53,29 +53,20 @@ def _whole_table() -> torch.Tensor:
     return torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(2))
 
 
-def _split_worker(rank: int, port: int, max_norm: float, out: dict) -> None:
-    import os
-
-    import torch.distributed as dist
+def _split_worker(rank: int, max_norm: float) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from recforge.distributed.sharded_table import RowShardedEmbedding
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("table",))
-        table = RowShardedEmbedding(ROWS, DIM, mesh["table"], sparse=True)
-        table.load_state_dict({"weight": _whole_table()})
-        dense = _model(table)
-        _split_grads(table, dense)
-        params = [table.weight, *dense.parameters()]
-        total = clip_grad_norm_(params, max_norm, split=[table.weight], split_group=mesh["table"].get_group())
-        out[rank] = {"total": float(total), "rows": (table.start, table.end),
-                     "grads": [p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for p in params]}
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("table",))
+    table = RowShardedEmbedding(ROWS, DIM, mesh["table"], sparse=True)
+    table.load_state_dict({"weight": _whole_table()})
+    dense = _model(table)
+    _split_grads(table, dense)
+    params = [table.weight, *dense.parameters()]
+    total = clip_grad_norm_(params, max_norm, split=[table.weight], split_group=mesh["table"].get_group())
+    return {"total": float(total), "rows": (table.start, table.end),
+            "grads": [p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for p in params]}
 
 
 @pytest.mark.slow
@@ -83,17 +74,9 @@ def _split_worker(rank: int, port: int, max_norm: float, out: dict) -> None:
 def test_norm_clipping_of_a_table_split_across_processes_matches_the_whole_table(max_norm):
     """Each of 2 gloo processes holds half of the table's rows and the whole dense layer: the norm
     they clip by, and so every gradient, is the one process holding the whole table gets."""
-    import socket
+    from gloo_ranks import run_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_split_worker, args=(port, max_norm, out), nprocs=2, join=True)
-        ranks = dict(out)
+    ranks = run_ranks(_split_worker, max_norm)
     table = torch.nn.Embedding(ROWS, DIM, sparse=True, _weight=_whole_table())
     dense = _model(table)
     _split_grads(table, dense)

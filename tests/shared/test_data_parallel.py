@@ -27,48 +27,31 @@ def _model(rank: int, table_mesh):
     return model
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
-    import os
-
-    import torch.distributed as dist
+def _worker(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from recforge.distributed.data_parallel import average_dense_grads_, dense_parameters, replicate_dense
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        model = _model(rank, mesh["tensor_parallel"])
-        dense = dense_parameters(model)
-        replicate_dense(model, mesh)
-        values = {name: p.detach().clone() for name, p in model.named_parameters()}
-        # gradients that differ by rank: (rank + 1) times a fixed pattern; the table's its own
-        for i, name in enumerate(GIVEN):
-            p = model.get_parameter(name)
-            p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * (rank + 1) + i
-        model.table.weight.grad = torch.full((5, 2), float(rank))
-        average_dense_grads_(dense, mesh)
-        out[rank] = {"dense": [name for name, p in model.named_parameters() if any(p is q for q in dense)],
-                     "values": values, "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model = _model(rank, mesh["tensor_parallel"])
+    dense = dense_parameters(model)
+    replicate_dense(model, mesh)
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # gradients that differ by rank: (rank + 1) times a fixed pattern; the table's its own
+    for i, name in enumerate(GIVEN):
+        p = model.get_parameter(name)
+        p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * (rank + 1) + i
+    model.table.weight.grad = torch.full((5, 2), float(rank))
+    average_dense_grads_(dense, mesh)
+    return {"dense": [name for name, p in model.named_parameters() if any(p is q for q in dense)],
+            "values": values, "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
 
 
 @pytest.mark.slow
 def test_dense_layers_start_as_rank_0s_and_step_on_the_ranks_mean_gradient():
-    import socket
+    from gloo_ranks import run_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
-        ranks = dict(out)
+    ranks = run_ranks(_worker)
     assert sorted(ranks[0]["dense"]) == ["linear.bias", "linear.weight", "scale", "unused"]
     rank0 = torch.nn.Module()
     for name, layer in _dense_layers(0).items():

@@ -7,13 +7,9 @@ unsharded table's rows there.
 """
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -21,12 +17,6 @@ from recforge.distributed.sharded_table import RowShardedEmbedding, row_range
 from recforge.optim.rowwise_adagrad import RowWiseAdagrad
 
 ROWS, DIM, STEPS = 1001, 4, 3  # 1001 rows: an uneven split (501 + 500)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_row_range_is_torch_chunk_s_split():
@@ -66,33 +56,24 @@ def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     return RowWiseAdagrad(params, lr=0.1)
 
 
-def _worker(rank: int, port: int, kind: str, sparse: bool, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("table",))
-        whole = torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3))
-        table = RowShardedEmbedding(ROWS, DIM, mesh["table"], sparse=sparse)
-        table.load_state_dict({"weight": whole})  # the whole table: this rank keeps its rows
-        outputs = _train(table, _optimizer(kind, table.parameters()))
-        state = table.state_dict()["weight"]
-        out[rank] = {
-            "start": table.start, "end": table.end, "local": table.weight.detach().clone(),
-            "outputs": outputs, "whole_after": state.full_tensor(), "placements": str(state.placements),
-            "state_shape": tuple(state.shape),
-        }
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, kind: str, sparse: bool) -> dict:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("table",))
+    whole = torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3))
+    table = RowShardedEmbedding(ROWS, DIM, mesh["table"], sparse=sparse)
+    table.load_state_dict({"weight": whole})  # the whole table: this rank keeps its rows
+    outputs = _train(table, _optimizer(kind, table.parameters()))
+    state = table.state_dict()["weight"]
+    return {
+        "start": table.start, "end": table.end, "local": table.weight.detach().clone(),
+        "outputs": outputs, "whole_after": state.full_tensor(), "placements": str(state.placements),
+        "state_shape": tuple(state.shape),
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,sparse", [("sgd", True), ("rowwise_adagrad", True), ("rowwise_adagrad", False)])
 def test_two_shards_train_as_the_whole_table(kind: str, sparse: bool):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), kind, sparse, out), nprocs=2, join=True)
-        ranks = dict(out)
+    ranks = run_ranks(_worker, kind, sparse)
     whole = torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3))
     oracle = nn.Embedding(ROWS, DIM, sparse=sparse, _weight=whole.clone())
     want_outputs = _train(oracle, _optimizer(kind, oracle.parameters()))
@@ -110,29 +91,21 @@ def test_two_shards_train_as_the_whole_table(kind: str, sparse: bool):
     assert ranks[0]["local"].numel() + ranks[1]["local"].numel() == want.numel()
 
 
-def _reshard_worker(rank: int, port: int, world: int, saved: torch.Tensor, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        table = RowShardedEmbedding(ROWS, DIM, mesh)
-        with pytest.raises(ValueError, match=r"weight: a table of shape \(1000, 4\) in the checkpoint, "
-                                             r"\(1001, 4\) in the model"):
-            table.load_state_dict({"weight": saved[:1000]})
-        table.load_state_dict({"weight": saved})
-        out[rank] = table.weight.detach().clone()
-    finally:
-        dist.destroy_process_group()
+def _reshard_worker(rank: int, world: int, saved: torch.Tensor) -> torch.Tensor:
+    mesh = init_device_mesh("cpu", (world,))
+    table = RowShardedEmbedding(ROWS, DIM, mesh)
+    with pytest.raises(ValueError, match=r"weight: a table of shape \(1000, 4\) in the checkpoint, "
+                                         r"\(1001, 4\) in the model"):
+        table.load_state_dict({"weight": saved[:1000]})
+    table.load_state_dict({"weight": saved})
+    return table.weight.detach().clone()
 
 
 @pytest.mark.slow
 def test_a_whole_table_loads_into_any_number_of_shards():
     saved = torch.randn(ROWS, DIM)
     for world in (1, 2):
-        with mp.Manager() as manager:
-            out = manager.dict()
-            mp.spawn(_reshard_worker, args=(_free_port(), world, saved, out), nprocs=world, join=True)
-            shards = [out[r] for r in range(world)]
+        shards = run_ranks(_reshard_worker, world, saved, world=world)
         assert torch.equal(torch.cat(shards), saved)
 
 
@@ -157,26 +130,17 @@ def _train_bags(lookup, optimizer) -> list[torch.Tensor]:
     return outputs
 
 
-def _bag_worker(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        table = RowShardedEmbedding(ROWS, DIM, mesh)
-        table.load_state_dict({"weight": torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3))})
-        outputs = _train_bags(table.bags, RowWiseAdagrad(table.parameters(), lr=0.1))
-        out[rank] = {"rows": (table.start, table.end), "local": table.weight.detach().clone(), "outputs": outputs}
-    finally:
-        dist.destroy_process_group()
+def _bag_worker(rank: int) -> dict:
+    mesh = init_device_mesh("cpu", (2,))
+    table = RowShardedEmbedding(ROWS, DIM, mesh)
+    table.load_state_dict({"weight": torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3))})
+    outputs = _train_bags(table.bags, RowWiseAdagrad(table.parameters(), lr=0.1))
+    return {"rows": (table.start, table.end), "local": table.weight.detach().clone(), "outputs": outputs}
 
 
 @pytest.mark.slow
 def test_two_shards_sum_bags_as_the_whole_table():
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_bag_worker, args=(_free_port(), out), nprocs=2, join=True)
-        ranks = dict(out)
+    ranks = run_ranks(_bag_worker)
     weight = nn.Parameter(torch.empty(ROWS, DIM).uniform_(-1, 1, generator=torch.Generator().manual_seed(3)))
 
     def whole(values, offsets):

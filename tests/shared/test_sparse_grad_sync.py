@@ -1,13 +1,10 @@
 """Averaging sparse item-table gradients across ranks (two gloo processes on CPU)."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from torch import nn
 
 from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parameter_names
@@ -24,34 +21,20 @@ def _rank_grads(rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None
     return {"table": table, "bias": bias, "extra": extra}
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        shapes = {"table": (10, 4), "bias": (10, 1), "extra": (10, 4)}
-        params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
-        for name, grad in _rank_grads(rank).items():
-            if grad is not None:
-                rows, values = grad
-                params[name].grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shapes[name])
-        average_sparse_grads_(params.values())
-        out[rank] = {name: p.grad.to_dense() for name, p in params.items()}
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int) -> dict:
+    shapes = {"table": (10, 4), "bias": (10, 1), "extra": (10, 4)}
+    params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
+    for name, grad in _rank_grads(rank).items():
+        if grad is not None:
+            rows, values = grad
+            params[name].grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shapes[name])
+    average_sparse_grads_(params.values())
+    return {name: p.grad.to_dense() for name, p in params.items()}
 
 
 @pytest.mark.slow
 def test_two_ranks_get_the_mean_of_their_gradients():
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
-        results = dict(out)
+    results = run_ranks(_worker)
     # oracle: each rank's gradient made dense by hand (duplicates summed), then averaged
     want = {}
     for name, shape in (("table", (10, 4)), ("bias", (10, 1)), ("extra", (10, 4))):
