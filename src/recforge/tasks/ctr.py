@@ -74,6 +74,7 @@ class CTRTask(RecTask):
         self.model = model(cardinalities=list(cardinalities), n_dense=n_dense)
         self.loss = loss
         self.embedding_l2 = float(embedding_l2)
+        self._replicated: list[nn.Parameter] = []  # the dense layers, under a mesh (configure_model)
         if self.embedding_l2 and has_sparse_gradients(self.model):
             raise UserInputError(
                 f"task.embedding_l2={embedding_l2} penalises every table row at every step, which needs dense "
@@ -90,6 +91,7 @@ class CTRTask(RecTask):
         mesh = self.device_mesh
         self.model.shard_tables(None if mesh is None else mesh["tensor_parallel"])
         if mesh is not None:
+            self._replicated = dense_parameters(self.model)  # averaged after every backward
             # a table-sharding group's ranks evaluate the same rows: each row counts once
             self.evaluation.reduce_over(mesh["data_parallel"].get_group())
 
@@ -104,7 +106,7 @@ class CTRTask(RecTask):
         # data-parallel ranks that hold the same rows
         mesh = self.device_mesh
         if mesh is not None:
-            average_dense_grads_(dense_parameters(self.model), mesh)
+            average_dense_grads_(self._replicated, mesh)
             average_over_replicas_(sharded_tables(self.model).values(), mesh["data_parallel"])
 
     # ------------------------------------------------------------------ optimisation
