@@ -17,7 +17,12 @@ catalogue. Arms, run one after another in rotation so that load from other jobs 
 
 Every arm runs with ``--threads`` OpenMP/MKL/torch threads. Printed per config: wall seconds of
 each run, R@20 and MRR@20 of each run (the seed spread), the median wall time and the
-official / arm ratio of the medians (above 1: faster than the official code). It asserts nothing.
+official / arm ratio of the medians (above 1: faster than the official code), the median of the
+per-seed ratios (each run against the official run of its own rotation), and the same for CPU
+seconds (user + system of the run's process and its children, which leave out time spent
+waiting for a core). On a shared machine other tenants' load moves wall time by a quarter and
+more from one run to the next: the per-seed ratios show how much of that hit both arms of a
+rotation alike. It asserts nothing.
 
     python benchmarks/gru4rec_reference.py --official-dir /path/to/GRU4Rec_PyTorch_Official \\
         --configs xe,bprmax --seeds 0,1,2 --threads 2
@@ -25,8 +30,10 @@ official / arm ratio of the medians (above 1: faster than the official code). It
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import re
 import shutil
 import statistics
@@ -117,6 +124,18 @@ def _env(threads: int, malloc: str) -> dict:
     return env
 
 
+@contextlib.contextmanager
+def _clocked():
+    """Fills the yielded dict with ``wall_s`` and ``cpu_s`` of the block: the CPU seconds (user +
+    system) of the child processes it ran and waited for."""
+    clock: dict = {}
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    yield clock
+    clock["wall_s"] = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    clock["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
 def run_official(args, tree: Path, config: str, seed: int, out: Path) -> dict:
     params = OFFICIAL_PARAMS[config].format(epochs=args.epochs)
     driver = (
@@ -126,17 +145,16 @@ def run_official(args, tree: Path, config: str, seed: int, out: Path) -> dict:
         " '-m', '1', '5', '10', '20', '-d', 'cpu']\n"
         "runpy.run_path('run.py', run_name='__main__')\n"
     )
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", driver], cwd=tree, env=_env(args.threads, args.malloc),
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - start
+    with _clocked() as clock:
+        proc = subprocess.run([sys.executable, "-c", driver], cwd=tree, env=_env(args.threads, args.malloc),
+                              capture_output=True, text=True)
     (out / "official.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         raise SystemExit(f"official run failed (rc {proc.returncode}), see {out / 'official.log'}")
     found = re.search(r"Recall@20: ([0-9.]+) MRR@20: ([0-9.]+)", proc.stdout)
     if not found:
         raise SystemExit(f"official run printed no Recall@20 line, see {out / 'official.log'}")
-    return {"wall_s": wall, "recall@20": float(found.group(1)), "mrr@20": float(found.group(2))}
+    return {**clock, "recall@20": float(found.group(1)), "mrr@20": float(found.group(2))}
 
 
 def run_recforge(args, arm: str, config: str, seed: int, out: Path) -> dict:
@@ -146,14 +164,14 @@ def run_recforge(args, arm: str, config: str, seed: int, out: Path) -> dict:
         f"trainer.max_epochs={args.epochs}", f"task.fast_step={str(arm == 'fast').lower()}",
         "logger=csv", "extras.print_config=false", "extras.malloc=default", f"hydra.run.dir={out}",
     ]
-    start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(args.threads, args.malloc), capture_output=True, text=True)
-    wall = time.perf_counter() - start
+    with _clocked() as clock:
+        proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(args.threads, args.malloc), capture_output=True,
+                              text=True)
     (out / "recforge.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         raise SystemExit(f"recforge run failed (rc {proc.returncode}), see {out / 'recforge.log'}")
     metrics = json.loads((out / "metrics.json").read_text())
-    return {"wall_s": wall, "recall@20": metrics["test/recall@20"], "mrr@20": metrics["test/mrr@20"]}
+    return {**clock, "recall@20": metrics["test/recall@20"], "mrr@20": metrics["test/mrr@20"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,24 +190,38 @@ def main(argv: list[str] | None = None) -> int:
                 result = (run_official(args, tree, config, seed, out) if arm == "official"
                           else run_recforge(args, arm, config, seed, out))
                 runs.append({"config": config, "seed": seed, "arm": arm, **result})
-                print(f"{config} seed {seed} {arm:8s} {result['wall_s']:7.1f} s  R@20 {result['recall@20']:.4f}"
-                      f"  MRR@20 {result['mrr@20']:.4f}", flush=True)
+                print(f"{config} seed {seed} {arm:8s} {result['wall_s']:7.1f} s (CPU {result['cpu_s']:6.1f} s)"
+                      f"  R@20 {result['recall@20']:.4f}  MRR@20 {result['mrr@20']:.4f}", flush=True)
     print(f"# load average at end {os.getloadavg()}")
-    print("\n| config | arm | wall s per run | median s | official / arm | R@20 per seed | MRR@20 per seed |")
-    print("|---|---|---|---:|---:|---|---|")
+    print("\n| config | arm | wall s per run | median s | official / arm | per-seed ratios (median) "
+          "| CPU s per run | official / arm, CPU | R@20 per seed | MRR@20 per seed |")
+    print("|---|---|---|---:|---:|---|---|---:|---|---|")
     for config in args.configs:
-        medians = {arm: statistics.median(r["wall_s"] for r in runs if r["config"] == config and r["arm"] == arm)
-                   for arm in args.arms}
         for arm in args.arms:
-            mine = [r for r in runs if r["config"] == config and r["arm"] == arm]
-            ratio = f"{medians['official'] / medians[arm]:.2f}x" if "official" in medians else "-"
-            walls = ", ".join(f"{r['wall_s']:.1f}" for r in mine)
-            recalls = ", ".join(f"{r['recall@20']:.4f}" for r in mine)
-            mrrs = ", ".join(f"{r['mrr@20']:.4f}" for r in mine)
-            print(f"| {config} | {arm} | {walls} | {medians[arm]:.1f} | {ratio} | {recalls} | {mrrs} |")
+            print(_table_row(runs, config, arm))
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "malloc": args.malloc, "epochs": args.epochs, "runs": runs}, indent=1))
     return 0
+
+
+def _table_row(runs: list[dict], config: str, arm: str) -> str:
+    mine = {r["seed"]: r for r in runs if r["config"] == config and r["arm"] == arm}
+    official = {r["seed"]: r for r in runs if r["config"] == config and r["arm"] == "official"}
+
+    def median(key: str, of: dict) -> float:
+        return statistics.median(r[key] for r in of.values())
+
+    def listed(key: str, fmt: str) -> str:
+        return ", ".join(format(r[key], fmt) for r in mine.values())
+
+    ratio = cpu_ratio = per_seed = "-"
+    if official:
+        ratio = f"{median('wall_s', official) / median('wall_s', mine):.2f}x"
+        cpu_ratio = f"{median('cpu_s', official) / median('cpu_s', mine):.2f}x"
+        pairs = [official[seed]["wall_s"] / r["wall_s"] for seed, r in mine.items() if seed in official]
+        per_seed = f"{', '.join(f'{x:.2f}' for x in pairs)} ({statistics.median(pairs):.2f}x)"
+    return (f"| {config} | {arm} | {listed('wall_s', '.1f')} | {median('wall_s', mine):.1f} | {ratio} | {per_seed} "
+            f"| {listed('cpu_s', '.1f')} | {cpu_ratio} | {listed('recall@20', '.4f')} | {listed('mrr@20', '.4f')} |")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def test_a_rotation_runs_every_arm_and_reports_its_metrics(driver, tmp_path, cap
     assert rc == 0
     runs = {r["arm"]: r for r in json.loads(out.read_text())["runs"]}
     assert (runs["official"]["recall@20"], runs["official"]["mrr@20"]) == (0.4321, 0.1234)
+    # each run's CPU seconds are its own process's: training an epoch costs more than the stand-in
+    assert 0 < runs["official"]["cpu_s"] < runs["fast"]["cpu_s"]
     called = json.loads((tmp_path / "work" / "official" / "argv.json").read_text())
     assert called["argv"][1:4] == [str(train), "-ps", driver.OFFICIAL_PARAMS["xe"].format(epochs=1)]
     assert called["threads"] == 1
@@ -78,3 +80,8 @@ def test_a_rotation_runs_every_arm_and_reports_its_metrics(driver, tmp_path, cap
     assert "fast_step: true" in config and "seed: 3" in config
     table = capsys.readouterr().out
     assert "| xe | fast |" in table and "| xe | official |" in table
+    fast_row = next(line for line in table.splitlines() if line.startswith("| xe | fast |"))
+    cells = [c.strip() for c in fast_row.strip("|").split("|")]
+    wall_ratio = runs["official"]["wall_s"] / runs["fast"]["wall_s"]
+    assert cells[4] == f"{wall_ratio:.2f}x" and cells[5] == f"{wall_ratio:.2f} ({wall_ratio:.2f}x)"
+    assert cells[7] == f"{runs['official']['cpu_s'] / runs['fast']['cpu_s']:.2f}x"
