@@ -1,9 +1,12 @@
 """Evaluate a checkpoint on the test split: python src/eval.py ckpt_path=outputs/.../last.ckpt"""
-import hydra
-from omegaconf import DictConfig
+from recforge.utils.startup import imports_without_gc
 
-from recforge.cli import one_line_errors
-from recforge.pipeline import evaluate
+with imports_without_gc():  # ~0.8 s less start-up
+    import hydra
+    from omegaconf import DictConfig
+
+    from recforge.cli import one_line_errors
+    from recforge.pipeline import evaluate
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

@@ -1,9 +1,12 @@
 """Train a model: python src/train.py [group=option ...] [key=value ...] (see conf/train.yaml)."""
-import hydra
-from omegaconf import DictConfig
+from recforge.utils.startup import imports_without_gc
 
-from recforge.cli import one_line_errors
-from recforge.pipeline import metric_value, train
+with imports_without_gc():  # ~0.8 s less start-up
+    import hydra
+    from omegaconf import DictConfig
+
+    from recforge.cli import one_line_errors
+    from recforge.pipeline import metric_value, train
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
