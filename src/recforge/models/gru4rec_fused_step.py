@@ -105,11 +105,12 @@ class _FusedStep(torch.autograd.Function):
         if embed_mask is not None:
             d_x.mul_(embed_mask)
         d_weights.index_add_(0, in_rows, d_x)
-        scored = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
-        scored[column_rows] = True
+        # positions in `rows` of the scored rows, ascending (so their rows stay sorted)
+        scored = rows.new_zeros(len(rows), dtype=torch.bool).index_fill_(0, column_rows, True).nonzero().squeeze(1)
         wy, by = (table() for table in ctx.tables)
         grad_wy = distinct_rows_gradient(wy, rows, d_weights, wy_shape)
-        grad_by = distinct_rows_gradient(by, rows[scored], d_bias[scored].unsqueeze(1), by_shape)
+        grad_by = distinct_rows_gradient(by, rows.index_select(0, scored), d_bias.index_select(0, scored).unsqueeze(1),
+                                         by_shape)
         return (grad_wy, grad_by, d_gi.t().mm(x), d_gh.t().mm(hidden), d_gi.sum(0), d_gh.sum(0),
                 None, None, None, None, None, None, None)
 
