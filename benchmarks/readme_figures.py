@@ -12,6 +12,7 @@
 
     python benchmarks/readme_figures.py
     python benchmarks/readme_figures.py --sweep outputs/train/multiruns/<time> --out /tmp/figures
+    python benchmarks/readme_figures.py --only gru4rec    # after new gru4rec_reference.py runs: no sweep
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ GRU4REC_RUNS = REPO / "benchmarks" / "results" / "gru4rec_reference.json"
 SWEEP = ["-m", "model=hstu,sasrec", "trainer.max_epochs=4"]
 CURVES = ("val/hr@10", "val/ndcg@10", "train/loss_epoch")
 GRU4REC_METRICS = ("recall@20", "mrr@20")
+FIGURE_NAMES = ("curves", "gru4rec")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,7 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gru4rec-runs", type=Path, default=GRU4REC_RUNS,
                    help="JSON of benchmarks/gru4rec_reference.py --json (default: %(default)s)")
     p.add_argument("--out", type=Path, default=FIGURES, help="where the PNGs go (default: %(default)s)")
-    return p.parse_args(argv)
+    p.add_argument("--only", choices=FIGURE_NAMES, default=None,
+                   help="draw this figure alone (gru4rec: without running or reading a sweep)")
+    args = p.parse_args(argv)
+    if args.only == "gru4rec" and args.sweep is not None:
+        p.error("--sweep feeds the learning curves, which --only gru4rec does not draw")
+    return args
 
 
 def run_sweep(sweep_dir: Path) -> Path:
@@ -69,20 +76,24 @@ def main(argv: list[str] | None = None) -> int:
         plot_learning_curves,
     )
 
-    runs = load_reference_runs(args.gru4rec_runs)  # checked before the sweep's minutes
-    with tempfile.TemporaryDirectory(prefix="recforge-figures-") as tmp:
-        sweep = args.sweep if args.sweep is not None else run_sweep(Path(tmp) / "sweep")
-        epochs = load_epoch_logs(sweep)
-        missing = [m for m in CURVES if m not in epochs.columns]
-        if missing:
-            raise SystemExit(f"{sweep}: the jobs logged no {', '.join(missing)} (a sweep of HSTU/SASRec "
-                             "with a validation split logs them)")
-        hparams = [c for c in ("model",) if c in epochs.columns]
-        curves = save(plot_learning_curves(epochs, CURVES, hparams), args.out / "learning_curves.png")
-    print(f"learning curves: {curves}")
-    bars = save(plot_against_reference(
-        runs, GRU4REC_METRICS, title="GRU4Rec, YooChoose sample: recforge (task.fast_step) against the official code"), args.out / "gru4rec_vs_official.png")
-    print(f"GRU4Rec against the official code: {bars}")
+    wanted = FIGURE_NAMES if args.only is None else (args.only,)
+    runs = load_reference_runs(args.gru4rec_runs) if "gru4rec" in wanted else None  # before the sweep's minutes
+    if "curves" in wanted:
+        with tempfile.TemporaryDirectory(prefix="recforge-figures-") as tmp:
+            sweep = args.sweep if args.sweep is not None else run_sweep(Path(tmp) / "sweep")
+            epochs = load_epoch_logs(sweep)
+            missing = [m for m in CURVES if m not in epochs.columns]
+            if missing:
+                raise SystemExit(f"{sweep}: the jobs logged no {', '.join(missing)} (a sweep of HSTU/SASRec "
+                                 "with a validation split logs them)")
+            hparams = [c for c in ("model",) if c in epochs.columns]
+            curves = save(plot_learning_curves(epochs, CURVES, hparams), args.out / "learning_curves.png")
+        print(f"learning curves: {curves}")
+    if "gru4rec" in wanted:
+        bars = save(plot_against_reference(
+            runs, GRU4REC_METRICS, title="GRU4Rec, YooChoose sample: recforge (task.fast_step) against the official code"),
+            args.out / "gru4rec_vs_official.png")
+        print(f"GRU4Rec against the official code: {bars}")
     return 0
 
 

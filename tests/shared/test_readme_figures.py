@@ -95,6 +95,17 @@ def test_the_script_draws_both_figures_from_a_sweep_and_a_runs_file(tmp_path: Pa
     assert not list(out.glob(".*.partial"))
 
 
+def test_only_the_bar_chart_is_redrawn_without_a_sweep(tmp_path: Path):
+    out = tmp_path / "figures"
+    done = run_command(f"python benchmarks/readme_figures.py --only gru4rec --out {out} "
+                       f"--gru4rec-runs {_write_runs(tmp_path / 'r.json')}", cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gru4rec_vs_official.png"]  # no sweep ran, no curves
+    refused = run_command(f"python benchmarks/readme_figures.py --only gru4rec --sweep {tmp_path} --out {out}",
+                          cwd=REPO_ROOT)
+    assert refused.returncode == 2 and "--sweep feeds the learning curves" in refused.stderr
+
+
 def test_the_script_names_a_sweep_without_the_curves(tmp_path: Path):
     sweep = tmp_path / "sweep"
     _job(sweep, "0", "hstu", [0.5])
