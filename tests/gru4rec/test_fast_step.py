@@ -253,3 +253,97 @@ def test_the_fused_step_covers_only_the_configuration_it_writes_out(kwargs):
     assert GRU4Rec(n_items=N_ITEMS, hidden_size=6).fused_step_supported
     assert not GRU4Rec(n_items=N_ITEMS, hidden_size=6, **kwargs).fused_step_supported
     assert not TOP1Max(elu_param=0.5).has_value_and_grad
+
+
+# ---------------------------------------------------------------- counted columns (distinct negatives)
+def _repeat_columns(n_rows: int, counts: torch.Tensor, seed: int) -> torch.Tensor:
+    """Column index into the counted matrix for every column of the repeated one: the targets'
+    columns first, then each negative as often as counted, the negatives' copies shuffled."""
+    negatives = torch.repeat_interleave(torch.arange(n_rows, len(counts)), counts[n_rows:].long())
+    negatives = negatives[torch.randperm(len(negatives), generator=torch.Generator().manual_seed(seed))]
+    return torch.cat([torch.arange(n_rows), negatives])
+
+
+@pytest.mark.parametrize("loss_name", sorted(FUSED_LOSSES))
+def test_counted_columns_give_the_value_and_summed_gradient_of_their_repeats(loss_name):
+    """Oracle: the same loss over the matrix with each negative column written out as often as
+    counted (shuffled). The value is the same; a counted column's gradient is the sum of its
+    copies' gradients."""
+    loss = FUSED_LOSSES[loss_name]
+    g = torch.Generator().manual_seed(12)
+    n_rows, n_negatives = 6, 9
+    scores = torch.randn(n_rows, n_rows + n_negatives, generator=g, dtype=torch.float64) * 2
+    scores[:, n_rows + 2] = scores[:, 0]  # a negative with a target's score (as when it is that item)
+    counts = torch.cat([torch.ones(n_rows, dtype=torch.float64),
+                        torch.randint(1, 4, (n_negatives,), generator=g).double()])
+    log_q = torch.log(torch.rand(n_rows + n_negatives, generator=g, dtype=torch.float64) * 50 + 1)
+    repeat = _repeat_columns(n_rows, counts, seed=3)
+    assert len(repeat) > len(counts)  # some negatives do repeat
+    want_value, want_grad_repeated = loss.fast_value_and_grad(scores[:, repeat], 8, log_q=log_q[repeat])
+    want_grad = torch.zeros_like(scores).index_add_(1, repeat, want_grad_repeated)
+    value, grad = loss.fast_value_and_grad(scores, 8, log_q=log_q, counts=counts)
+    torch.testing.assert_close(value, want_value, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-13)
+    # every column counted once is the uncounted loss
+    ones = torch.ones_like(counts)
+    for got, want in zip(loss.fast_value_and_grad(scores, 8, log_q=log_q, counts=ones),
+                         loss.fast_value_and_grad(scores, 8, log_q=log_q)):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("loss_name", ["xe", "bprmax"])
+def test_counts_of_another_length_or_dtype_are_refused(loss_name):
+    loss = FUSED_LOSSES[loss_name]
+    scores = torch.randn(3, 7, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"counts must be \[C\] = \[7\]"):
+        loss.fast_value_and_grad(scores, 8, counts=torch.ones(6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="counts must have the scores' dtype"):
+        loss.fast_value_and_grad(scores, 8, counts=torch.ones(7, dtype=torch.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["xe", "bprmax"])
+def test_the_task_scores_each_distinct_negative_once_as_the_repeated_columns_would(make_cfg, loss):
+    """BPR-max: the task's fused step hands the loss each distinct negative once, with its count;
+    cross-entropy, where that does not pay, every draw. Oracle: the model's fused step over the
+    targets and every draw as drawn, same weights and draws."""
+    import functools
+
+    from recforge.pipeline import build
+
+    cfg = make_cfg("task.fast_step=true", f"loss={loss}", "task.n_sample=64", "model.dropout_p_hidden=0.0",
+                   "model.dropout_p_embed=0.0")
+    datamodule, task = build(cfg)
+    datamodule.setup("fit")
+    task.train()
+    task.on_train_epoch_start()
+    batch = next(iter(datamodule.train_dataloader()))
+    step = batch.steps[0] if hasattr(batch, "steps") else batch
+    drawn = torch.randint(0, task.model.n_items, (64,), generator=torch.Generator().manual_seed(0))
+    drawn[:10] = drawn[10]  # some draws repeat for sure
+    task.sampler.sample = lambda: drawn.clone()
+    model_step, seen = task.model.fused_train_step, []
+    task.model.fused_train_step = lambda items, hidden, columns, vg: seen.append(len(columns)) or model_step(
+        items, hidden, columns, vg)
+    results = []
+    for counted in (True, False):
+        task.zero_grad(set_to_none=True)
+        if counted:
+            value = task.train_loss(step)
+        else:
+            columns = torch.cat([step.targets, drawn])
+            log_q = None
+            if task.loss.uses_log_q:
+                log_q = torch.cat([task.log_popularity[step.targets],
+                                   task.sample_alpha * task.log_popularity[drawn]])
+            hidden = torch.zeros(step.size, task.model.state_widths[0])
+            value, _ = model_step(step.inputs, hidden, columns, functools.partial(
+                task.loss.fast_value_and_grad, batch_size=task.batch_size, log_q=log_q))
+        value.backward()
+        results.append((value.detach(), {n: _dense_grads_of(p).clone() for n, p in task.model.named_parameters()}))
+    (got_value, got), (want_value, want) = results
+    n_negatives = len(torch.unique(drawn)) if loss == "bprmax" else len(drawn)
+    assert seen == [step.size + n_negatives]
+    torch.testing.assert_close(got_value, want_value, rtol=1e-5, atol=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -26,6 +26,7 @@ from recforge.kernels.twin import KernelImpl, TritonTwin
 
 __all__ = [
     "bprmax_value_and_grad",
+    "check_column_counts",
     "negatives_softmax",
     "sampled_bprmax",
     "sampled_bprmax_fused",
@@ -49,6 +50,16 @@ def _validate_scores(scores: Tensor, batch_size: int) -> None:
         raise ValueError(f"scores [B', C] needs C >= B', got shape {tuple(scores.shape)}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+def check_column_counts(scores: Tensor, counts: Tensor | None) -> None:
+    """Refuse column counts that are not one per column of ``scores``, in its dtype."""
+    if counts is None:
+        return
+    if counts.shape != (scores.shape[1],):
+        raise ValueError(f"counts must be [C] = [{scores.shape[1]}] (one per column), got shape {tuple(counts.shape)}")
+    if counts.dtype != scores.dtype:
+        raise ValueError(f"counts must have the scores' dtype {scores.dtype}, got {counts.dtype}")
 
 
 def _validate(scores: Tensor, log_q: Tensor | None, logq: float, batch_size: int) -> None:
@@ -177,10 +188,12 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _bprmax_value_and_grad(
-    scores: Tensor, bpreg: float, elu_param: float, batch_size: int, with_grad: bool = True
+    scores: Tensor, bpreg: float, elu_param: float, batch_size: int, with_grad: bool = True,
+    counts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """BPR-max's loss (rows summed, over ``batch_size``) and, if ``with_grad``, its gradient
-    w.r.t. ``scores`` ``[B', C]``, in few passes over the matrix.
+    w.r.t. ``scores`` ``[B', C]``, in few passes over the matrix. ``counts [C]``: column j stands
+    for ``counts[j]`` identical columns (see :func:`bprmax_value_and_grad`).
 
     With ``s`` the negatives' softmax, ``σ_k = σ(r_ii − r_ik)``, ``P = Σ s σ`` and
     ``reg = Σ s r²`` per row, the row loss is ``−log(P + ε) + bpreg·reg`` and
@@ -199,6 +212,10 @@ def _bprmax_value_and_grad(
     diagonal.zero_()  # the target takes part in the row max as 0, as in the reference
     e = torch.sub(r, r.amax(dim=1, keepdim=True)).exp_()
     e.diagonal().zero_()
+    if counts is not None:
+        # every sum below is over the negatives' softmax weights: a column counted c times
+        # weighs c times, and its gradient (a multiple of its weight) is the sum over its copies
+        e.mul_(counts)
     diagonal.copy_(target)
     inv_z = e.sum(dim=1, keepdim=True).reciprocal_()
     sig = torch.sub(target.unsqueeze(1), r).sigmoid_()
@@ -238,11 +255,18 @@ class _FusedBPRMax(torch.autograd.Function):
         return (None if grad is None else grad * grad_out), None, None, None
 
 
-def bprmax_value_and_grad(scores: Tensor, bpreg: float, elu_param: float, batch_size: int) -> tuple[Tensor, Tensor]:
+def bprmax_value_and_grad(
+    scores: Tensor, bpreg: float, elu_param: float, batch_size: int, counts: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """:func:`sampled_bprmax_fused`'s value and its gradient w.r.t. ``scores``, both computed now
-    (no graph): for a caller that writes out its own backward (the fused GRU4Rec step)."""
+    (no graph): for a caller that writes out its own backward (the fused GRU4Rec step).
+
+    ``counts [C]`` (the scores' dtype), if given: column j stands for ``counts[j]`` identical
+    columns (a negative drawn that many times; the targets' columns count 1). The value is the
+    loss over the columns repeated so, and a column's gradient is the sum over its copies."""
     _validate_scores(scores, batch_size)
-    return _bprmax_value_and_grad(scores, float(bpreg), float(elu_param), batch_size)
+    check_column_counts(scores, counts)
+    return _bprmax_value_and_grad(scores, float(bpreg), float(elu_param), batch_size, counts=counts)
 
 
 def softmax_xe_value_and_grad(scores: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:

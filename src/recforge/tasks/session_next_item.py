@@ -166,6 +166,15 @@ class SessionNextItemTask(RecTask):
     def _train_loss(self, batch: SessionStep, hidden: list[torch.Tensor] | None) -> torch.Tensor:
         state = batch.carry_hidden(hidden, self.model.state_widths, self.model.param_dtype)
         negatives = self.sampler.sample() if self.sampler is not None else None
+        fused = (self.fast_step and getattr(self.model, "fused_step_supported", False)
+                 and self.loss.has_value_and_grad)
+        counts = None
+        if fused and negatives is not None and self.loss.prefers_counted_columns:
+            # Each distinct negative scored once and counted as often as it was drawn (about a
+            # third of 2,048 draws repeat on the sample): the loss's sums are the same, over
+            # fewer columns. The targets' columns stay as they are, one per row.
+            negatives, drawn = torch.unique(negatives, return_counts=True)
+            counts = torch.cat([drawn.new_ones(len(batch.targets)), drawn]).to(self.model.param_dtype)
         columns = batch.targets if negatives is None else torch.cat([batch.targets, negatives])
         log_q = None
         if self.loss.uses_log_q:
@@ -173,11 +182,12 @@ class SessionNextItemTask(RecTask):
             log_q = self.log_popularity[batch.targets]
             if negatives is not None:
                 log_q = torch.cat([log_q, self.sample_alpha * self.log_popularity[negatives]])
-        if self.fast_step and getattr(self.model, "fused_step_supported", False) and self.loss.has_value_and_grad:
+        if fused:
             # the whole step in one autograd node, its backward written out (GRU4Rec's presets)
             loss, new_hidden = self.model.fused_train_step(
                 batch.inputs, state[0], columns,
-                functools.partial(self.loss.fast_value_and_grad, batch_size=self.batch_size, log_q=log_q))
+                functools.partial(self.loss.fast_value_and_grad, batch_size=self.batch_size, log_q=log_q,
+                                  counts=counts))
             self._train_hidden = [new_hidden]
             return loss
         scores, new_state = self.model.train_step(batch.inputs, state, columns, distinct_rows=self.fast_step)
