@@ -2,6 +2,7 @@
 (the collector's state is process-wide)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -20,8 +21,6 @@ print(json.dumps({{"inside": inside[0], "after": gc.isenabled(), "frozen": gc.ge
 
 
 def _probe(before: str = "") -> dict:
-    import json
-
     done = subprocess.run([sys.executable, "-c", PROBE.format(before=before)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
