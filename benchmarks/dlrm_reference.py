@@ -33,8 +33,17 @@ glibc's allocator settings, the same for both arms (issue 22): ``--malloc keep``
 recforge's default ``extras.malloc=keep`` sets, ``default`` leaves glibc's defaults; the recforge
 arm runs with ``extras.malloc=default`` so that the environment decides for it too.
 
+``--in-process``: both arms in one child process per thread count and round instead, window by
+window (reference, recforge; then recforge, reference; ...), the recforge arm being the same bare
+level; each window pair gives one ratio, taken within seconds of each other, so that the box's
+drift (tens of percent over minutes on a shared machine) falls on both arms of a pair alike. With
+``--floor`` a third window times the two MLPs alone (recforge's modules, forward and backward on
+fixed inputs): the float32 matrix products every implementation of the model runs, so
+``reference / MLPs alone`` bounds the ratio any code can reach.
+
     git -C /work/.mirror/facebookresearch+dlrm/repo archive 090956e | tar -x -C /tmp/dlrm
     python benchmarks/dlrm_reference.py --reference-dir /tmp/dlrm --threads 1,2 --rounds 2
+    python benchmarks/dlrm_reference.py --reference-dir /tmp/dlrm --threads 1,2 --rounds 2 --windows 10 --in-process --floor
 
 A measurement tool: it prints figures and asserts nothing about them.
 """
@@ -64,8 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reference-dir", type=Path, required=True,
                    help="a tree of facebookresearch/dlrm holding dlrm_s_pytorch.py (git archive of a commit)")
-    p.add_argument("--arm", choices=("both", "reference", "recforge"), default="both",
+    p.add_argument("--arm", choices=("both", "reference", "recforge", "paired"), default="both",
                    help="both: the parent, alternating the two in child processes")
+    p.add_argument("--in-process", action="store_true",
+                   help="both arms in one child process per thread count and round, window by window "
+                        "(reference, recforge, then recforge, reference, ...): each pair of windows is one "
+                        "ratio, taken in the same seconds of the box's drift")
+    p.add_argument("--floor", action="store_true",
+                   help="with --in-process: also time the two MLPs alone (recforge's DenseArch and OverArch, "
+                        "forward and backward on fixed inputs of the step's shapes, no table, interaction or "
+                        "update) in the same rotation: the matrix products both arms share, so reference / "
+                        "floor is the most any code running them in float32 could reach")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     p.add_argument("--rounds", type=int, default=2, help="alternating pairs of runs per thread count")
     p.add_argument("--batch-size", type=int, default=128)
@@ -132,6 +150,25 @@ def build_reference(reference_dir: Path, cardinalities: list[int], lr: float):
     return model, torch.optim.SGD(model.parameters(), lr=lr)
 
 
+def reference_stepper(model, optimizer, batches: list):
+    """One training step of ``model`` per call, cycling ``batches``; returns the step's rows."""
+    model.train()
+    cursor = 0
+
+    def step() -> int:
+        nonlocal cursor
+        X, lS_o, lS_i, T = batches[cursor % len(batches)]
+        cursor += 1
+        Z = model(X, lS_o, lS_i)
+        E = model.loss_fn(Z, T)
+        optimizer.zero_grad()
+        E.backward()
+        optimizer.step()
+        return X.shape[0]
+
+    return step
+
+
 def run_reference(args, threads: int) -> dict:
     import torch
 
@@ -159,20 +196,7 @@ def run_reference(args, threads: int) -> dict:
         lr = float(cfg.optimizer.lr)
         del task, datamodule
     torch.manual_seed(cfg.seed)
-    model, optimizer = build_reference(args.reference_dir, cardinalities, lr)
-    model.train()
-    cursor = 0
-
-    def step() -> int:
-        nonlocal cursor
-        X, lS_o, lS_i, T = batches[cursor % len(batches)]
-        cursor += 1
-        Z = model(X, lS_o, lS_i)
-        E = model.loss_fn(Z, T)
-        optimizer.zero_grad()
-        E.backward()
-        optimizer.step()
-        return X.shape[0]
+    step = reference_stepper(*build_reference(args.reference_dir, cardinalities, lr), batches)
 
     for _ in range(args.warmup):
         step()
@@ -189,6 +213,92 @@ def run_reference(args, threads: int) -> dict:
             "table_rows": sum(cardinalities)}
 
 
+def run_paired(args, threads: int) -> dict:
+    """Both arms in this process, their windows alternating: the recforge arm is
+    ``train_throughput``'s bare level (every batch read through the data module inside the clock),
+    the reference arm ``DLRM_Net`` on the first ``--batches`` of the same data module's batches
+    (and with ``--floor`` the MLPs alone, :func:`mlps_window`). Samples/s per window, per arm."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from timing import cpu_model, load_average
+    from train_throughput import Level, compose_config
+
+    from recforge.utils.quiet import silence_known_noise
+
+    torch.set_num_threads(threads)
+    silence_known_noise()
+    compose = argparse.Namespace(experiment=EXPERIMENT, device="cpu", batch_size=args.batch_size,
+                                 override=[*args.override, "extras.malloc=default"], data_dir=args.data_dir)
+    with tempfile.TemporaryDirectory(prefix="recforge-dlrm-paired-") as tmp:
+        cfg, overrides, _ = compose_config(compose, Path(tmp))
+        level = Level("bare", cfg, torch.device("cpu"))
+    cardinalities = [int(c) for c in level.datamodule.cardinalities]
+    batches = []
+    for batch in level.datamodule.train_dataloader():
+        batches.append(reference_layout(batch.dense, batch.sparse, batch.labels))
+        if len(batches) == args.batches:
+            break
+    torch.manual_seed(cfg.seed)
+    step = reference_stepper(*build_reference(args.reference_dir, cardinalities, float(cfg.optimizer.lr)), batches)
+
+    def reference_window(lead: int, steps: int) -> tuple[int, float]:
+        for _ in range(lead):
+            step()
+        rows, start = 0, time.perf_counter()
+        for _ in range(steps):
+            rows += step()
+        return rows, time.perf_counter() - start
+
+    def recforge_window(lead: int, steps: int) -> tuple[int, float]:
+        rows, _, seconds = level.train_window(lead, steps)
+        return rows, seconds
+
+    arms = {"reference": reference_window, "recforge": recforge_window}
+    if args.floor:
+        arms["mlps"] = mlps_window(level.task.model, args.batch_size)
+    for window in arms.values():  # warm-up, untimed
+        window(0, args.warmup)
+    rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    names = list(arms)
+    for w in range(args.windows):
+        # two arms swap places every window; three rotate, so that none always follows the same one
+        order = (names if w % 2 == 0 else names[::-1]) if len(names) == 2 else names[w % 3:] + names[:w % 3]
+        for arm in order:
+            rows, seconds = arms[arm](args.lead, args.steps)
+            rates[arm].append(rows / seconds)
+    return {"arm": "paired", "threads": threads, "samples_per_s": rates, "cpu": cpu_model(),
+            "load_average": load_average(), "overrides": overrides, "table_rows": sum(cardinalities)}
+
+
+def mlps_window(model, batch: int):
+    """A window function timing ``model``'s two MLPs alone (copies: the model is not changed):
+    forward and backward of the bottom MLP on a fixed ``[batch, n_dense]`` input and of the top
+    MLP on a fixed ``[batch, interaction width]`` input that needs a gradient, as the
+    interaction's output does; gradients set to None between steps, as the training loops do."""
+    import copy
+
+    import torch
+
+    bottom, top = copy.deepcopy(model.dense_arch), copy.deepcopy(model.over_arch)
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.rand(batch, model.n_dense, generator=generator)
+    features = torch.randn(batch, model.interaction.out_features, generator=generator).requires_grad_()
+    parameters = [*bottom.parameters(), *top.parameters(), features]
+
+    def window(lead: int, steps: int) -> tuple[int, float]:
+        start = None
+        for k in range(lead + steps):
+            if k == lead:
+                start = time.perf_counter()
+            for p in parameters:
+                p.grad = None
+            (bottom(dense).sum() + top(features).sum()).backward()
+        return batch * steps, time.perf_counter() - start
+
+    return window
+
+
 # ----------------------------------------------------------------------------- the parent
 def _env(threads: int, malloc: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in USER_VARIABLES}
@@ -201,11 +311,12 @@ def _env(threads: int, malloc: str) -> dict:
 
 def child(args, arm: str, threads: int) -> dict:
     """One arm's run in a fresh process; its samples/s per window."""
-    if arm == "reference":
-        command = [sys.executable, __file__, "--arm", "reference", "--reference-dir", str(args.reference_dir),
+    if arm in ("reference", "paired"):
+        command = [sys.executable, __file__, "--arm", arm, "--reference-dir", str(args.reference_dir),
                    "--threads", str(threads)]
         for name in ("batch_size", "windows", "steps", "lead", "warmup", "batches"):
             command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        command += ["--floor"] if args.floor else []
     else:
         command = [sys.executable, str(HERE / "train_throughput.py"), "--experiment", EXPERIMENT, "--level", "bare",
                    "--no-eval", "--threads", str(threads), "--batch-size", str(args.batch_size),
@@ -224,9 +335,12 @@ def child(args, arm: str, threads: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.arm == "reference":
-        print(json.dumps(run_reference(args, args.threads[0])), flush=True)
+    if args.arm in ("reference", "paired"):
+        run = run_reference if args.arm == "reference" else run_paired
+        print(json.dumps(run(args, args.threads[0])), flush=True)
         return 0
+    if args.in_process:
+        return main_in_process(args)
     arms = ["reference", "recforge"] if args.arm == "both" else [args.arm]
     print(f"# {EXPERIMENT}, batch {args.batch_size}, {args.windows} windows of {args.steps} steps, threads "
           f"{args.threads}, {args.rounds} rounds, malloc {args.malloc}; load average {os.getloadavg()}", flush=True)
@@ -252,6 +366,47 @@ def main(argv: list[str] | None = None) -> int:
                       f"({mine['min']:,.0f}) | {mine['median'] / ref['median']:.2f}x | {mine['min'] / ref['min']:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps({"batch_size": args.batch_size, "malloc": args.malloc, "runs": runs}, indent=1))
+    return 0
+
+
+def main_in_process(args) -> int:
+    """``--in-process``: one child per thread count and round, both arms alternating window by
+    window inside it; the figure is each window pair's ratio (recforge / reference), then their
+    median, beside the ratio of the arms' medians."""
+    print(f"# {EXPERIMENT}, batch {args.batch_size}, in one process: {args.windows} window pairs of {args.steps} "
+          f"steps, threads {args.threads}, {args.rounds} rounds, malloc {args.malloc}; load average "
+          f"{os.getloadavg()}", flush=True)
+    runs = []
+    for round_ in range(args.rounds):
+        for threads in args.threads:
+            report = child(args, "paired", threads)
+            ref, mine = report["samples_per_s"]["reference"], report["samples_per_s"]["recforge"]
+            pairs = [m / r for m, r in zip(mine, ref)]
+            runs.append({"round": round_, "threads": threads, "reference": ref, "recforge": mine, "pair_ratios": pairs,
+                         "load_average": report["load_average"],
+                         **({"mlps": report["samples_per_s"]["mlps"]} if args.floor else {})})
+            print(f"round {round_} {threads} thr: reference median {statistics.median(ref):,.0f} (min {min(ref):,.0f}), "
+                  f"recforge median {statistics.median(mine):,.0f} (min {min(mine):,.0f}) samples/s; pair ratios "
+                  f"{', '.join(f'{x:.2f}' for x in pairs)}  (load {report['load_average']})", flush=True)
+    print(f"# load average at end {os.getloadavg()}")
+    floor = args.floor
+    print("\n| threads | round | reference median (min) | recforge median (min) | ratio of medians "
+          "| window pairs: median (range) |" + (" MLPs alone, median | reference / MLPs alone |" if floor else ""))
+    print("|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if floor else ""))
+    for run in runs:
+        ref, mine, pairs = run["reference"], run["recforge"], run["pair_ratios"]
+        row = (f"| {run['threads']} | {run['round']} | {statistics.median(ref):,.0f} ({min(ref):,.0f}) | "
+               f"{statistics.median(mine):,.0f} ({min(mine):,.0f}) | "
+               f"{statistics.median(mine) / statistics.median(ref):.2f}x | "
+               f"{statistics.median(pairs):.2f}x ({min(pairs):.2f}-{max(pairs):.2f}) |")
+        if floor:
+            mlps = run["mlps"]
+            ceilings = [m / r for m, r in zip(mlps, ref)]
+            row += f" {statistics.median(mlps):,.0f} | {statistics.median(ceilings):.2f}x |"
+        print(row)
+    if args.json:
+        args.json.write_text(json.dumps({"batch_size": args.batch_size, "malloc": args.malloc, "in_process": True,
+                                         "runs": runs}, indent=1))
     return 0
 
 

@@ -90,3 +90,37 @@ def test_one_alternation_runs_both_arms_on_the_same_rows(driver, tmp_path, monke
     assert built == {"m_spa": 16, "ln_emb": cards, "ln_bot": [13, 512, 256, 64, 16], "ln_top": [367, 512, 256, 1],
                      "op": "dot", "itself": False, "sigmoid_top": 2, "loss": "bce"}
     assert "| 1 | 0 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_in_process_windows_pair_the_arms_and_time_the_mlps_alone(driver, tmp_path, monkeypatch, capsys):
+    tree = tmp_path / "dlrm"
+    tree.mkdir()
+    (tree / "dlrm_s_pytorch.py").write_text(STAND_IN)
+    monkeypatch.setenv("STAND_IN_RECORD", str(tmp_path / "built.json"))
+    cards = [3 + f for f in range(26)]
+    overrides = ["data=synthetic_criteo", "data.generator.n_rows=3000",
+                 f"++data.generator.cardinalities=[{','.join(map(str, cards))}]"]
+    out = tmp_path / "runs.json"
+    argv = ["--reference-dir", str(tree), "--threads", "1", "--rounds", "1", "--windows", "3", "--steps", "3",
+            "--lead", "1", "--warmup", "1", "--batches", "4", "--batch-size", "32", "--data-dir", str(tmp_path / "d"),
+            "--in-process", "--floor", "--json", str(out)]
+    assert driver.main(argv + [a for o in overrides for a in ("--override", o)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["threads"] == 1 and all(len(run[arm]) == 3 for arm in ("reference", "recforge", "mlps"))
+    # one ratio per window pair, recforge over the reference of the same window
+    assert run["pair_ratios"] == pytest.approx([m / r for m, r in zip(run["recforge"], run["reference"])])
+    assert min(run["reference"] + run["recforge"] + run["mlps"]) > 0
+    printed = capsys.readouterr().out
+    assert "| 1 | 0 |" in printed and "reference / MLPs alone" in printed
+
+
+def test_the_mlps_window_leaves_the_model_untouched_and_counts_its_rows(driver):
+    from recforge.models.dlrm import DLRM
+
+    model = DLRM(cardinalities=[5, 7], n_dense=3, embedding_dim=4, dense_arch=[8], over_arch=[6])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows, seconds = driver.mlps_window(model, batch=9)(1, 2)
+    assert rows == 18 and seconds > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
