@@ -623,9 +623,9 @@ class DLRM(nn.Module):
         x = self.dense_arch(dense)
         return self.over_arch(self.interaction(x, embeddings)).squeeze(1)
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor | SparseBags) -> torch.Tensor:
-        """dense ``[B, n_dense]`` float, sparse ``[B, n_sparse]`` int64 (one id per feature) or
-        :class:`SparseBags` (multi-hot, sum-pooled) -> logits ``[B]``."""
+    def check_inputs(self, dense: torch.Tensor, sparse: torch.Tensor | SparseBags) -> None:
+        """Raise ValueError, naming the input and the shape expected, unless ``dense`` and
+        ``sparse`` are what :meth:`forward` takes (the ids' range is the lookup's check)."""
         if dense.dim() != 2 or dense.shape[1] != self.n_dense or not dense.is_floating_point():
             raise ValueError(
                 f"dense must be a float tensor [B, n_dense] = [B, {self.n_dense}], got {dense.dtype} "
@@ -644,6 +644,11 @@ class DLRM(nn.Module):
                     f"sparse must be an integer tensor [B, n_sparse] = [{dense.shape[0]}, {self.n_sparse}] or "
                     f"SparseBags, got {sparse.dtype} {tuple(sparse.shape)}"
                 )
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor | SparseBags) -> torch.Tensor:
+        """dense ``[B, n_dense]`` float, sparse ``[B, n_sparse]`` int64 (one id per feature) or
+        :class:`SparseBags` (multi-hot, sum-pooled) -> logits ``[B]``."""
+        self.check_inputs(dense, sparse)
         embeddings = self.sparse_arch(sparse)
         if not self.compile_dense:
             return self._dense_path(dense, embeddings)

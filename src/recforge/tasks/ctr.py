@@ -18,6 +18,7 @@ from recforge.distributed.data_parallel import (
 )
 from recforge.distributed.strategy import sharded_tables
 from recforge.errors import UserInputError
+from recforge.models.dlrm_fused_step import fused_sgd_step_loss, fused_step_unsupported
 from recforge.evaluation import CTREvaluation
 from recforge.optim.sparse_capable import has_sparse_gradients
 from recforge.tasks.base import RecTask
@@ -43,6 +44,12 @@ class CTRTask(RecTask):
             added to every batch's loss (FuxiCTR's ``embedding_regularizer``, BARS: 1e-5). It
             touches every row at every step, so it needs dense table gradients
             (``model.sparse_gradients=false``).
+        fast_step: the opt-in fast training step (``task.fast_step=true``): the step's forward and
+            backward written out, plain SGD applied inside the backward to every parameter
+            (:mod:`recforge.models.dlrm_fused_step`; the parameters get no ``.grad``). For the
+            reference's model: DLRM with the dot interaction, plain MLPs, one id per feature,
+            ``optimizer=sgd`` without momentum or weight decay, one process, no clipping. Same
+            losses and updates as the default step to float round-off, in fewer operations.
         cardinalities, n_dense: from the data module (table sizes, dense feature count).
     """
 
@@ -64,6 +71,7 @@ class CTRTask(RecTask):
         gradient_clip_val: Annotated[float, Range(gt=0)] | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         embedding_l2: Annotated[float, Range(ge=0)] = 0.0,
+        fast_step: bool = False,
     ) -> None:
         super().__init__(
             optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm, scheduler_interval
@@ -75,6 +83,16 @@ class CTRTask(RecTask):
         self.loss = loss
         self.embedding_l2 = float(embedding_l2)
         self._replicated: list[nn.Parameter] = []  # the dense layers, under a mesh (configure_model)
+        self.fast_step = bool(fast_step)
+        self._learning_rates = None  # the fused step's (dense, tables) rates, from configure_optimizers
+        if self.fast_step:
+            refusal = fused_step_unsupported(self.model)
+            if refusal is None and self.embedding_l2:
+                refusal = f"task.embedding_l2={embedding_l2} (the fused step has no penalty term)"
+            if refusal is None and gradient_clip_val:
+                refusal = f"task.gradient_clip_val={gradient_clip_val} (the fused step forms no gradient to clip)"
+            if refusal is not None:
+                raise UserInputError(f"task.fast_step=true cannot run with {refusal}: set task.fast_step=false")
         if self.embedding_l2 and has_sparse_gradients(self.model):
             raise UserInputError(
                 f"task.embedding_l2={embedding_l2} penalises every table row at every step, which needs dense "
@@ -89,11 +107,21 @@ class CTRTask(RecTask):
         (:mod:`recforge.distributed.data_parallel`); elsewhere a table built sharded is drawn whole.
         Before the optimizer is built (it gets the shards), once per stage (idempotent)."""
         mesh = self.device_mesh
+        if mesh is not None and self.fast_step:
+            raise UserInputError("task.fast_step=true runs in one process and shards nothing: set "
+                                 "task.fast_step=false under hardware=model_parallel*")
         self.model.shard_tables(None if mesh is None else mesh["tensor_parallel"])
         if mesh is not None:
             self._replicated = dense_parameters(self.model)  # averaged after every backward
             # a table-sharding group's ranks evaluate the same rows: each row counts once
             self.evaluation.reduce_over(mesh["data_parallel"].get_group())
+
+    def setup(self, stage: str) -> None:
+        if self.fast_step and stage == "fit" and self.trainer.world_size > 1:
+            raise UserInputError(
+                f"task.fast_step=true updates in the backward, before any all-reduce, so it runs in one process "
+                f"(this run has {self.trainer.world_size}): set task.fast_step=false")
+        super().setup(stage)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -117,6 +145,22 @@ class CTRTask(RecTask):
             return [], None
         return [t.weight for t in sharded_tables(self.model).values()], mesh["tensor_parallel"].get_group()
 
+    def configure_optimizers(self):
+        configured = super().configure_optimizers()
+        if self.fast_step:
+            optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+            self._learning_rates = _plain_sgd_rates(optimizer)
+        return configured
+
+    def optimize(self, loss: torch.Tensor, step: bool = True) -> None:
+        if not self.fast_step:
+            super().optimize(loss, step)
+            return
+        # the backward is the update (one process: no padding steps, no gradient to clear or clip)
+        self.manual_backward(loss)
+        if self.scheduler_interval == "step" and self.scheduler_factory is not None:
+            self.lr_schedulers().step()
+
     def optimizer_params(self) -> list[dict]:
         tables = list(self.model.sparse_parameters())
         table_ids = {id(p) for p in tables}
@@ -134,7 +178,13 @@ class CTRTask(RecTask):
         return self.embedding_l2 / 2 * sum(table.pow(2).sum() for table in self.model.sparse_parameters())
 
     def train_loss(self, batch: CTRBatch) -> torch.Tensor:
-        """The click loss of one batch plus the embedding penalty (no update: training_step makes it)."""
+        """The click loss of one batch plus the embedding penalty (no update: training_step makes
+        it; under ``fast_step`` the loss's backward makes it)."""
+        if self.fast_step:
+            if self._learning_rates is None:
+                raise RuntimeError("task.fast_step=true reads its learning rates from the optimizer: "
+                                   "call configure_optimizers first")
+            return fused_sgd_step_loss(self.model, batch.dense, batch.sparse, batch.labels, self._learning_rates)
         return self.loss(self.model(batch.dense, batch.sparse), batch.labels) + self.regularization()
 
     # ------------------------------------------------------------------ evaluation
@@ -146,3 +196,25 @@ class CTRTask(RecTask):
 
     def test_step(self, batch: CTRBatch, batch_idx: int) -> None:
         self._evaluate(batch, "test")
+
+
+def _plain_sgd_rates(optimizer: torch.optim.Optimizer):
+    """``() -> (dense lr, tables' lr)`` read from ``optimizer``'s groups when called (a scheduler's
+    changes included), or a one-line error unless it is plain SGD, the rule the fused step applies."""
+    if type(optimizer) is not torch.optim.SGD:
+        raise UserInputError(
+            f"task.fast_step=true applies plain SGD inside the backward: it needs optimizer=sgd, got "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} (or set task.fast_step=false)")
+    for group in optimizer.param_groups:
+        extras = {k: group[k] for k in ("momentum", "weight_decay") if group[k]}
+        extras.update({k: True for k in ("nesterov", "maximize") if group[k]})
+        if extras:
+            settings = ", ".join(f"optimizer.{k}={v}" for k, v in extras.items())
+            raise UserInputError(f"task.fast_step=true applies plain SGD (no momentum, weight decay, nesterov or "
+                                 f"maximize), got {settings}: unset them or set task.fast_step=false")
+    dense, tables = optimizer.param_groups[0], optimizer.param_groups[-1]
+
+    def rates() -> tuple[float, float]:
+        return float(dense["lr"]), float(tables["lr"])
+
+    return rates

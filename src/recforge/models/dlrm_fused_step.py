@@ -1,0 +1,202 @@
+"""DLRM's fast training step: forward and backward written out, plain SGD applied inside the backward
+(``task.fast_step=true``).
+
+At the Kaggle configuration's batch of 128 a CPU step is two thirds the MLPs' matrix products, which
+any float32 code must run; the rest is autograd's graph, the weight gradients written out and read
+back by SGD, a sparse gradient tensor for the table and SGD's Python loop (issue 18;
+benchmarks/README.md). As TorchRec fuses the tables' optimizer into their backward, this step
+applies SGD to every parameter as soon as its gradient is known, without materialising it:
+
+* each Linear: ``dX = dY·W`` first (with the weight the forward used), then
+  ``W ← W − lr·dYᵀX`` as one ``addmm_`` into the weight and ``b ← b − lr·Σ dY``;
+* the interaction's backward as one ``bmm``: with the pairs' gradient G laid into the symmetric
+  matrix ``S = G + Gᵀ`` ([B, F, F], the diagonal doubled with ``itself``), ``dT = S·T``;
+* the table: ``E[ids] ← E[ids] − lr·dE`` for every looked-up row, duplicates accumulated in
+  order (``index_put_(accumulate=True)``, which is how SGD adds an uncoalesced sparse gradient).
+
+Forward, for the dot interaction with ``T = [h, e_1, ..., e_Fe]`` ([B, F, d]):
+
+    h = relu(... relu(dense·W_1ᵀ + b_1) ...)            (the bottom MLP, ReLU after every layer)
+    x = [h, lower triangle of T·Tᵀ]                      (dot_interaction_reference's ops)
+    logit = W_Lᵀ relu(... relu(x·W_1'ᵀ + b_1') ...) + b_L (the top MLP, the last Linear bare)
+    loss = mean BCE(logit, y)                            (BinaryCrossEntropy)
+
+Backward: ``dlogit = (σ(logit) − y)·g / B`` (g the loss's upstream gradient), then the layers in
+reverse. The loss and the updated parameters agree with the same model's autograd step followed by
+``torch.optim.SGD`` to float round-off (tests/dlrm/test_dlrm_fused_step.py): the forward runs the
+same operations, so the loss is the same; the updates are rounded once instead of twice.
+
+The parameters get no ``.grad``: the optimizer object only holds the learning rates (the dense
+group's and the tables'), read when the backward runs, so schedulers act on them as usual.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from recforge.errors import UserInputError
+from recforge.kernels.dot_interaction import pair_indices
+
+__all__ = ["fused_sgd_step_loss", "fused_step_unsupported", "symmetric_pair_gather"]
+
+# (dense layers' lr, tables' lr), read at backward time
+Rates = Callable[[], tuple[float, float]]
+
+_GATHER_CACHE: dict[tuple[int, int, bool, torch.device], Tensor] = {}
+
+
+def symmetric_pair_gather(n_features: int, width: int, itself: bool, device: torch.device | str = "cpu") -> Tensor:
+    """Columns that lay the pairs' gradient into the symmetric ``[F, F]`` matrix, ``[F·F]`` int64.
+
+    The gradient of the interaction's output ``[B, width + P]`` is left-padded with one zero
+    column; position ``i·F + j`` of ``S`` reads the padded column of pair ``(i, j)`` or ``(j, i)``
+    (``width + 1 + k`` for the k-th pair in output order) and column 0 (zero) where no pair is kept
+    (the diagonal without ``itself``). One ``index_select`` builds ``S`` for the whole batch."""
+    device = torch.device(device)
+    key = (n_features, width, bool(itself), device)
+    gather = _GATHER_CACHE.get(key)
+    if gather is None:
+        rows, cols = torch.tril_indices(n_features, n_features, offset=0 if itself else -1)
+        column = torch.arange(rows.numel()) + width + 1
+        gather = torch.zeros(n_features * n_features, dtype=torch.int64)
+        gather[rows * n_features + cols] = column
+        gather[cols * n_features + rows] = column
+        gather = gather.to(device)
+        _GATHER_CACHE[key] = gather
+    return gather
+
+
+def _plain_linears(mlp: nn.Sequential, ends_bare: bool) -> list[nn.Linear] | None:
+    """The Linears of ``Linear, ReLU, Linear, ReLU, ...`` (the last ReLU absent with ``ends_bare``),
+    or None where the stack holds anything else (batch norm, dropout)."""
+    layers = list(mlp)
+    expected = [nn.Linear if k % 2 == 0 else nn.ReLU for k in range(len(layers))]
+    if [type(layer) for layer in layers] != expected or (len(layers) % 2 == 1) != ends_bare:
+        return None
+    return layers[::2]
+
+
+def fused_step_unsupported(model: nn.Module) -> str | None:
+    """Why ``model`` cannot take the fused step (one clause, naming the setting), or None."""
+    from recforge.models.dlrm import DLRM
+
+    if not isinstance(model, DLRM):
+        return f"the model is {type(model).__name__}, not recforge.models.dlrm.DLRM"
+    if model.interaction_kind != "dot":
+        return f"model.interaction={model.interaction_kind} (the fused step writes out the dot interaction only)"
+    if model.interaction.kernel != "pytorch":
+        return f"model.dot_interaction.kernel={model.interaction.kernel} (the fused step is the PyTorch path)"
+    if _plain_linears(model.dense_arch.mlp, ends_bare=False) is None:
+        return "model.dense_arch_batch_norm or dense_arch_dropout is set (the fused step has Linear and ReLU only)"
+    if _plain_linears(model.over_arch.mlp, ends_bare=True) is None:
+        return "model.over_arch_batch_norm or over_arch_dropout is set (the fused step has Linear and ReLU only)"
+    if model.compile_dense:
+        return "model.compile=true (the fused step is eager)"
+    if model.sparse_arch.is_sharded:
+        return "the tables are sharded (hardware=model_parallel*)"
+    return None
+
+
+class _FusedSGDStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, model: nn.Module, dense: Tensor, sparse: Tensor, labels: Tensor, rates: Rates,
+                anchor: Tensor) -> Tensor:
+        bottom = _plain_linears(model.dense_arch.mlp, ends_bare=False)
+        top = _plain_linears(model.over_arch.mlp, ends_bare=True)
+        table = model.sparse_arch.embedding.weight
+        batch, dim = dense.shape[0], model.embedding_dim
+        ids = (sparse + model.sparse_arch.offsets).reshape(-1)
+        embeddings = table.index_select(0, ids).view(batch, model.n_sparse, dim)
+        inputs_bottom = [dense]  # each Linear's input; the last entry is the bottom output h
+        for layer in bottom:
+            inputs_bottom.append(torch.addmm(layer.bias, inputs_bottom[-1], layer.weight.t()).clamp_min_(0))
+        h = inputs_bottom[-1]
+        # the interaction, as dot_interaction_reference computes it
+        stacked = torch.cat([h.unsqueeze(1), embeddings], dim=1)  # [B, F, d]
+        n_features = stacked.shape[1]
+        gram = torch.bmm(stacked, stacked.transpose(1, 2))
+        itself = model.interaction.itself
+        pairs = gram.reshape(batch, n_features * n_features).index_select(
+            1, pair_indices(n_features, itself, dense.device))
+        inputs_top = [torch.cat([h, pairs], dim=1)]
+        for k, layer in enumerate(top):
+            out = torch.addmm(layer.bias, inputs_top[-1], layer.weight.t())
+            inputs_top.append(out.clamp_min_(0) if k < len(top) - 1 else out)
+        logits = inputs_top.pop().view(-1)
+        labels = labels.to(logits.dtype)
+        ctx.state = (model, bottom, top, ids, inputs_bottom, stacked, inputs_top, logits, labels, rates, itself)
+        return F.binary_cross_entropy_with_logits(logits, labels)
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(ctx, grad_loss: Tensor):
+        model, bottom, top, ids, inputs_bottom, stacked, inputs_top, logits, labels, rates, itself = ctx.state
+        ctx.state = None
+        lr_dense, lr_table = rates()
+        batch, n_features, dim = stacked.shape
+        grad = torch.sigmoid(logits).sub_(labels).mul_(grad_loss / batch).unsqueeze(1)  # [B, 1]
+        grad = _linears_backward(top, inputs_top, grad, lr_dense, first_needs_input_grad=True)
+        # the interaction: x = [h, pairs]; dT = (G + Gᵀ)·T with G the pairs' gradient
+        symmetric = F.pad(grad, (1, 0)).index_select(
+            1, symmetric_pair_gather(n_features, dim, itself, grad.device)).view(batch, n_features, n_features)
+        if itself:
+            symmetric.diagonal(dim1=1, dim2=2).mul_(2)
+        grad_stacked = torch.bmm(symmetric, stacked)
+        table = model.sparse_arch.embedding.weight
+        table.index_put_((ids,), grad_stacked[:, 1:].reshape(-1, dim).mul_(-lr_table), accumulate=True)
+        grad_h = _relu_backward(grad_stacked[:, 0].add_(grad[:, :dim]), inputs_bottom[-1])
+        _linears_backward(bottom, inputs_bottom[:-1], grad_h, lr_dense, first_needs_input_grad=False)
+        return (None,) * len(ctx.needs_input_grad)
+
+
+def _linears_backward(layers: list[nn.Linear], inputs: list[Tensor], grad: Tensor, lr: float,
+                      first_needs_input_grad: bool) -> Tensor | None:
+    """Back through ``layers`` (each followed by a ReLU but the last), updating each in place with
+    SGD once its input gradient is taken; ``grad`` is the last layer's output gradient. Returns
+    the first layer's input gradient (None unless ``first_needs_input_grad``)."""
+    for k in range(len(layers) - 1, -1, -1):
+        layer, x = layers[k], inputs[k]
+        grad_x = grad @ layer.weight if k > 0 or first_needs_input_grad else None
+        layer.weight.addmm_(grad.t(), x, alpha=-lr)
+        layer.bias.add_(grad.sum(0), alpha=-lr)
+        grad = _relu_backward(grad_x, x) if k > 0 else grad_x  # x: the previous layer's ReLU output
+    return grad
+
+
+def _relu_backward(grad: Tensor, relu_output: Tensor) -> Tensor:
+    # one ATen kernel (ReLU's own backward), where grad * (output > 0) is three: compare, cast, multiply
+    return torch.ops.aten.threshold_backward(grad, relu_output, 0)
+
+
+def fused_sgd_step_loss(model: nn.Module, dense: Tensor, sparse: Tensor, labels: Tensor, rates: Rates) -> Tensor:
+    """The mean BCE of ``model`` on one batch, whose backward applies SGD to every parameter.
+
+    Args:
+        model: a :class:`recforge.models.dlrm.DLRM` that :func:`fused_step_unsupported` accepts.
+        dense: ``[B, n_dense]`` float; sparse: ``[B, n_sparse]`` int64, one id per feature
+            (checked against the tables as the model's forward checks them); labels: ``[B]``.
+        rates: returns ``(dense layers' lr, tables' lr)``, called once in the backward.
+
+    Returns:
+        The loss, a scalar; its ``backward()`` updates the parameters in place and leaves their
+        ``.grad`` untouched (None after ``zero_grad(set_to_none=True)``).
+    """
+    if not isinstance(sparse, Tensor):
+        raise UserInputError(
+            f"task.fast_step=true takes one id per feature ([B, n_sparse] ids), got {type(sparse).__name__} "
+            "(multi-hot bags take the autograd step: task.fast_step=false)")
+    if torch.is_autocast_enabled(dense.device.type):
+        raise UserInputError(
+            "task.fast_step=true computes in the parameters' dtype, and autocast is on (trainer.precision=...-mixed): "
+            "set task.fast_step=false or a full precision")
+    model.check_inputs(dense, sparse)
+    model.sparse_arch._check_ids(sparse)
+    if model.sparse_arch._draw_from is not None:
+        raise RuntimeError("a lazy table is drawn in shard_rows (the task's configure_model) first")
+    # One parameter puts the node on the graph (its backward is what updates them all, in place);
+    # passing all of them would only add edges the backward leaves empty.
+    anchor = model.over_arch.mlp[0].weight
+    return _FusedSGDStep.apply(model, dense, sparse, labels, rates, anchor)
