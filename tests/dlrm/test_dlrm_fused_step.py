@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +175,17 @@ def test_a_fast_run_trains_as_the_default_step(make_cfg) -> None:
             torch.testing.assert_close(fast_state[key], slow_state[key], rtol=1e-4, atol=1e-5, msg=key)
     assert fast_metrics["test/auc"] == pytest.approx(slow_metrics["test/auc"], abs=1e-4)
     assert fast_metrics["test/auc"] > 0.55  # it learned
+
+
+@pytest.mark.slow
+def test_a_fast_run_resumes_as_if_uninterrupted(make_cfg) -> None:
+    fast = [*SMALL, "task.fast_step=true"]
+    straight = train(make_cfg(*fast, "trainer.max_epochs=2", run="straight"))
+    first = train(make_cfg(*fast, "trainer.max_epochs=1", run="first"))
+    last = Path(first["test_checkpoint"]).parent / "last.ckpt"
+    resumed = train(make_cfg(*fast, "trainer.max_epochs=2", f"ckpt_path={last}", run="resumed"))
+    a, b = (torch.load(Path(run["test_checkpoint"]).parent / "last.ckpt", map_location="cpu",
+                       weights_only=False)["state_dict"] for run in (straight, resumed))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
