@@ -189,3 +189,12 @@ def test_a_fast_run_resumes_as_if_uninterrupted(make_cfg) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def test_more_than_one_process_is_refused_at_setup(make_cfg) -> None:
+    from types import SimpleNamespace
+
+    _, task = build(make_cfg(*SMALL, "task.fast_step=true"))
+    task._trainer = SimpleNamespace(world_size=2)  # what setup reads of a DDP trainer
+    with pytest.raises(UserInputError, match=r"^task.fast_step=true updates in the backward, .* \(this run has 2\)"):
+        task.setup("fit")
