@@ -11,8 +11,8 @@ applies SGD to every parameter as soon as its gradient is known, without materia
   ``W ← W − lr·dYᵀX`` as one ``addmm_`` into the weight and ``b ← b − lr·Σ dY``;
 * the interaction's backward as one ``bmm``: with the pairs' gradient G laid into the symmetric
   matrix ``S = G + Gᵀ`` ([B, F, F], the diagonal doubled with ``itself``), ``dT = S·T``;
-* the table: ``E[ids] ← E[ids] − lr·dE`` for every looked-up row, duplicates accumulated in
-  order (``index_put_(accumulate=True)``, which is how SGD adds an uncoalesced sparse gradient).
+* the table: ``E[ids] ← E[ids] − lr·dE`` for every looked-up row, a row looked up twice updated
+  twice (``index_put_(accumulate=True)``, serial on the CPU, so the order is fixed).
 
 Forward, for the dot interaction with ``T = [h, e_1, ..., e_Fe]`` ([B, F, d]):
 
@@ -24,7 +24,8 @@ Forward, for the dot interaction with ``T = [h, e_1, ..., e_Fe]`` ([B, F, d]):
 Backward: ``dlogit = (σ(logit) − y)·g / B`` (g the loss's upstream gradient), then the layers in
 reverse. The loss and the updated parameters agree with the same model's autograd step followed by
 ``torch.optim.SGD`` to float round-off (tests/dlrm/test_dlrm_fused_step.py): the forward runs the
-same operations, so the loss is the same; the updates are rounded once instead of twice.
+same operations, so from the same weights the loss is the same bit for bit; an update skips the
+rounded gradient in between, so the weights part by round-off from the first update on.
 
 The parameters get no ``.grad``: the optimizer object only holds the learning rates (the dense
 group's and the tables'), read when the backward runs, so schedulers act on them as usual.
