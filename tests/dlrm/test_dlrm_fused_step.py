@@ -72,7 +72,10 @@ def test_float32_at_the_kaggle_widths_stays_within_round_off_of_float64() -> Non
     exact = DLRM(cardinalities=cards, **kw).double()
     fused = copy.deepcopy(exact).float()
     slow = _sgd(exact, 0.1, 0.1)
-    rates = lambda: (0.1, 0.1)  # noqa: E731
+
+    def rates() -> tuple[float, float]:
+        return 0.1, 0.1
+
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         dense = torch.rand(128, 13, generator=gen)

@@ -18,8 +18,8 @@ from recforge.distributed.data_parallel import (
 )
 from recforge.distributed.strategy import sharded_tables
 from recforge.errors import UserInputError
-from recforge.models.dlrm_fused_step import fused_sgd_step_loss, fused_step_unsupported
 from recforge.evaluation import CTREvaluation
+from recforge.models.dlrm_fused_step import fused_sgd_step_loss, fused_step_unsupported
 from recforge.optim.sparse_capable import has_sparse_gradients
 from recforge.tasks.base import RecTask
 
