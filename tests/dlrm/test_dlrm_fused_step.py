@@ -139,7 +139,6 @@ def test_bad_ids_and_bags_are_refused_naming_them() -> None:
     (["model.interaction=cat"], r"model.interaction=cat"),
     (["model.over_arch_batch_norm=true"], r"model.over_arch_batch_norm or over_arch_dropout"),
     (["model.dense_arch_dropout=0.1"], r"model.dense_arch_batch_norm or dense_arch_dropout"),
-    (["model.compile=true"], r"model.compile=true"),
     (["task.gradient_clip_val=1.0"], r"task.gradient_clip_val=1.0"),
     (["task.embedding_l2=0.001", "model.sparse_gradients=false"], r"task.embedding_l2=0.001"),
 ])
@@ -201,3 +200,22 @@ def test_more_than_one_process_is_refused_at_setup(make_cfg) -> None:
     task._trainer = SimpleNamespace(world_size=2)  # what setup reads of a DDP trainer
     with pytest.raises(UserInputError, match=r"^task.fast_step=true updates in the backward, .* \(this run has 2\)"):
         task.setup("fit")
+
+
+def test_the_compiled_step_is_the_eager_step() -> None:
+    from recforge.models import dlrm_fused_step
+
+    eager = _model(dtype=torch.float32)
+    compiled = copy.deepcopy(eager)
+    compiled.compile_dense = True  # model.compile=true
+    for step, rows in enumerate((6, 6, 5)):  # the last batch is shorter: compiled once more
+        dense, sparse, labels = _batch(rows, step, dtype=torch.float32)
+        losses = []
+        for model in (eager, compiled):
+            loss = fused_sgd_step_loss(model, dense, sparse, labels, lambda: (0.3, 0.7))
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+        for (name, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+    assert "step" in dlrm_fused_step._COMPILED  # the compiled body ran, not the eager one
