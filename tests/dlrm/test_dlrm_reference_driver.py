@@ -68,20 +68,27 @@ def test_keep_malloc_reaches_both_arms_and_default_clears_it(driver, monkeypatch
     assert keep["OMP_NUM_THREADS"] == "2"
 
 
-@pytest.mark.slow
-def test_one_alternation_runs_both_arms_on_the_same_rows(driver, tmp_path, monkeypatch, capsys):
+def _run_tiny(driver, tmp_path, monkeypatch, cards: list[int], *extra: str):
+    """``driver.main`` against the stand-in tree on a tiny synthetic Kaggle shape (26 tables of
+    ``cards`` rows, batch 32, windows of 3 steps, 1 thread); the path of its runs JSON."""
     tree = tmp_path / "dlrm"
     tree.mkdir()
     (tree / "dlrm_s_pytorch.py").write_text(STAND_IN)
     monkeypatch.setenv("STAND_IN_RECORD", str(tmp_path / "built.json"))  # the child inherits it
-    cards = [3 + f for f in range(26)]
     overrides = ["data=synthetic_criteo", "data.generator.n_rows=3000",
                  f"++data.generator.cardinalities=[{','.join(map(str, cards))}]"]
     out = tmp_path / "runs.json"
-    argv = ["--reference-dir", str(tree), "--threads", "1", "--rounds", "1", "--windows", "2", "--steps", "3",
-            "--lead", "1", "--warmup", "1", "--batches", "4", "--batch-size", "32", "--data-dir", str(tmp_path / "d"),
-            "--json", str(out)]
+    argv = ["--reference-dir", str(tree), "--threads", "1", "--rounds", "1", "--steps", "3", "--lead", "1",
+            "--warmup", "1", "--batches", "4", "--batch-size", "32", "--data-dir", str(tmp_path / "d"),
+            "--json", str(out), *extra]
     assert driver.main(argv + [a for o in overrides for a in ("--override", o)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_one_alternation_runs_both_arms_on_the_same_rows(driver, tmp_path, monkeypatch, capsys):
+    cards = [3 + f for f in range(26)]
+    out = _run_tiny(driver, tmp_path, monkeypatch, cards, "--windows", "2")
     runs = json.loads(out.read_text())["runs"]
     assert [(r["arm"], r["threads"]) for r in runs] == [("reference", 1), ("recforge", 1)]
     assert all(len(r["all"]) == 2 and r["min"] > 0 for r in runs)
@@ -94,18 +101,8 @@ def test_one_alternation_runs_both_arms_on_the_same_rows(driver, tmp_path, monke
 
 @pytest.mark.slow
 def test_in_process_windows_pair_the_arms_and_time_the_mlps_alone(driver, tmp_path, monkeypatch, capsys):
-    tree = tmp_path / "dlrm"
-    tree.mkdir()
-    (tree / "dlrm_s_pytorch.py").write_text(STAND_IN)
-    monkeypatch.setenv("STAND_IN_RECORD", str(tmp_path / "built.json"))
-    cards = [3 + f for f in range(26)]
-    overrides = ["data=synthetic_criteo", "data.generator.n_rows=3000",
-                 f"++data.generator.cardinalities=[{','.join(map(str, cards))}]"]
-    out = tmp_path / "runs.json"
-    argv = ["--reference-dir", str(tree), "--threads", "1", "--rounds", "1", "--windows", "3", "--steps", "3",
-            "--lead", "1", "--warmup", "1", "--batches", "4", "--batch-size", "32", "--data-dir", str(tmp_path / "d"),
-            "--in-process", "--floor", "--json", str(out)]
-    assert driver.main(argv + [a for o in overrides for a in ("--override", o)]) == 0
+    out = _run_tiny(driver, tmp_path, monkeypatch, [3 + f for f in range(26)], "--windows", "3", "--in-process",
+                    "--floor")
     (run,) = json.loads(out.read_text())["runs"]
     assert run["threads"] == 1 and all(len(run[arm]) == 3 for arm in ("reference", "recforge", "mlps"))
     # one ratio per window pair, recforge over the reference of the same window
