@@ -128,6 +128,16 @@ def reference_layout(dense, sparse, labels):
     return dense.contiguous(), offsets, indices, labels.view(-1, 1)
 
 
+def reference_batches(datamodule, count: int) -> list:
+    """The data module's first ``count`` training batches in the reference's layout."""
+    batches = []
+    for batch in datamodule.train_dataloader():
+        batches.append(reference_layout(batch.dense, batch.sparse, batch.labels))
+        if len(batches) == count:
+            break
+    return batches
+
+
 def build_reference(reference_dir: Path, cardinalities: list[int], lr: float):
     """``DLRM_Net`` with the Kaggle run's architecture, and the SGD its loop steps."""
     import numpy as np
@@ -188,11 +198,7 @@ def run_reference(args, threads: int) -> dict:
         datamodule, task = build(cfg)
         datamodule.setup("fit")
         cardinalities = [int(c) for c in datamodule.cardinalities]
-        batches = []
-        for batch in datamodule.train_dataloader():
-            batches.append(reference_layout(batch.dense, batch.sparse, batch.labels))
-            if len(batches) == args.batches:
-                break
+        batches = reference_batches(datamodule, args.batches)
         lr = float(cfg.optimizer.lr)
         del task, datamodule
     torch.manual_seed(cfg.seed)
@@ -234,11 +240,7 @@ def run_paired(args, threads: int) -> dict:
         cfg, overrides, _ = compose_config(compose, Path(tmp))
         level = Level("bare", cfg, torch.device("cpu"))
     cardinalities = [int(c) for c in level.datamodule.cardinalities]
-    batches = []
-    for batch in level.datamodule.train_dataloader():
-        batches.append(reference_layout(batch.dense, batch.sparse, batch.labels))
-        if len(batches) == args.batches:
-            break
+    batches = reference_batches(level.datamodule, args.batches)
     torch.manual_seed(cfg.seed)
     step = reference_stepper(*build_reference(args.reference_dir, cardinalities, float(cfg.optimizer.lr)), batches)
 

@@ -30,6 +30,7 @@ __all__ = [
     "interaction_width",
     "n_pairs",
     "pair_indices",
+    "stacked_dot_interaction",
 ]
 
 TRITON = TritonTwin("recforge.kernels.dot_interaction_triton")
@@ -76,14 +77,20 @@ def _pair_positions(n_features: int, itself: bool, device: torch.device) -> Tens
 
 def dot_interaction_reference(dense: Tensor, embeddings: Tensor, itself: bool = False) -> Tensor:
     """The PyTorch reference of :func:`dot_interaction` (validated inputs of one dtype)."""
-    batch, dim = dense.shape
+    pairs_at = pair_indices(embeddings.shape[1] + 1, itself, dense.device)
+    return stacked_dot_interaction(dense, embeddings, pairs_at)[1]
+
+
+def stacked_dot_interaction(dense: Tensor, embeddings: Tensor, pairs_at: Tensor) -> tuple[Tensor, Tensor]:
+    """The reference's computation: the stacked vectors ``T`` ``[B, F, d]`` and the output
+    ``[B, d + P]``, ``pairs_at`` being :func:`pair_indices` of ``F``. ``T`` is what a written-out
+    backward reads (recforge.models.dlrm_fused_step)."""
+    batch = dense.shape[0]
     stacked = torch.cat([dense.unsqueeze(1), embeddings], dim=1)  # [B, F, d]
     n_features = stacked.shape[1]
     gram = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F, F]
-    pairs = gram.reshape(batch, n_features * n_features).index_select(
-        1, pair_indices(n_features, itself, dense.device)
-    )
-    return torch.cat([dense, pairs], dim=1)
+    pairs = gram.reshape(batch, n_features * n_features).index_select(1, pairs_at)
+    return stacked, torch.cat([dense, pairs], dim=1)
 
 
 def _validate(dense: Tensor, embeddings: Tensor) -> None:

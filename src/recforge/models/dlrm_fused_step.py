@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from recforge.errors import UserInputError
-from recforge.kernels.dot_interaction import pair_indices
+from recforge.kernels.dot_interaction import pair_indices, stacked_dot_interaction
 
 __all__ = ["fused_sgd_step_loss", "fused_step_unsupported", "symmetric_pair_gather"]
 
@@ -118,12 +118,9 @@ def _step_body(dense: Tensor, ids: Tensor, labels: Tensor, table: Tensor, bottom
     for weight, bias in bottom:
         inputs_bottom.append(torch.addmm(bias, inputs_bottom[-1], weight.t()).clamp_min_(0))
     h = inputs_bottom.pop()
-    # the interaction, as dot_interaction_reference computes it
-    stacked = torch.cat([h.unsqueeze(1), embeddings], dim=1)  # [B, F, d]
+    stacked, interaction = stacked_dot_interaction(h, embeddings, pairs_at)  # the reference's operations
     n_features = stacked.shape[1]
-    gram = torch.bmm(stacked, stacked.transpose(1, 2))
-    pairs = gram.reshape(batch, n_features * n_features).index_select(1, pairs_at)
-    inputs_top = [torch.cat([h, pairs], dim=1)]
+    inputs_top = [interaction]
     for k, (weight, bias) in enumerate(top):
         out = torch.addmm(bias, inputs_top[-1], weight.t())
         inputs_top.append(out.clamp_min_(0) if k < len(top) - 1 else out)
@@ -218,6 +215,8 @@ def fused_sgd_step_loss(model: nn.Module, dense: Tensor, sparse: Tensor, labels:
         The loss, a scalar; its ``backward()`` updates the parameters in place and leaves their
         ``.grad`` untouched (None after ``zero_grad(set_to_none=True)``).
     """
+    if not torch.is_grad_enabled():  # no backward will follow: the loss alone, through the model (its checks)
+        return F.binary_cross_entropy_with_logits(model(dense, sparse), labels.to(dense.dtype))
     if not isinstance(sparse, Tensor):
         raise UserInputError(
             f"task.fast_step=true takes one id per feature ([B, n_sparse] ids), got {type(sparse).__name__} "
@@ -230,8 +229,6 @@ def fused_sgd_step_loss(model: nn.Module, dense: Tensor, sparse: Tensor, labels:
     model.sparse_arch._check_ids(sparse)
     if model.sparse_arch._draw_from is not None:
         raise RuntimeError("a lazy table is drawn in shard_rows (the task's configure_model) first")
-    if not torch.is_grad_enabled():  # no backward will follow: the loss alone, through the model
-        return F.binary_cross_entropy_with_logits(model(dense, sparse), labels.to(dense.dtype))
     # One parameter puts the node on the graph (its backward is what updates them all, in place);
     # passing all of them would only add edges the backward leaves empty.
     anchor = model.over_arch.mlp[0].weight

@@ -153,6 +153,10 @@ class RecTask(L.LightningModule):
         if self.gradient_clip_val:
             self.configure_gradient_clipping(optimizer, self.gradient_clip_val, self.gradient_clip_algorithm)
         optimizer.step()
+        self.step_scheduler_per_update()
+
+    def step_scheduler_per_update(self) -> None:
+        """Step the schedule after an update when it counts updates (``scheduler_interval=step``)."""
         if self.scheduler_interval == "step" and self.scheduler_factory is not None:
             self.lr_schedulers().step()
 

@@ -158,8 +158,7 @@ class CTRTask(RecTask):
             return
         # the backward is the update (one process: no padding steps, no gradient to clear or clip)
         self.manual_backward(loss)
-        if self.scheduler_interval == "step" and self.scheduler_factory is not None:
-            self.lr_schedulers().step()
+        self.step_scheduler_per_update()
 
     def optimizer_params(self) -> list[dict]:
         tables = list(self.model.sparse_parameters())
