@@ -168,15 +168,27 @@ def test_a_fast_run_trains_as_the_default_step(make_cfg) -> None:
         cfg = make_cfg(*SMALL, "data.generator.n_rows=20000", "optimizer.lr=1.0", "trainer.max_epochs=2",
                        f"task.fast_step={str(fast).lower()}", run=f"fast{fast}")
         metrics = train(cfg)
-        state = torch.load(metrics["test_checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
-        runs[fast] = metrics, state
-    (slow_metrics, slow_state), (fast_metrics, fast_state) = runs[False], runs[True]
+        checkpoint = torch.load(metrics["test_checkpoint"], map_location="cpu", weights_only=False)
+        runs[fast] = metrics, checkpoint["state_dict"], checkpoint["global_step"]
+    (slow_metrics, slow_state, slow_steps), (fast_metrics, fast_state, fast_steps) = runs[False], runs[True]
+    assert fast_steps == slow_steps > 0  # Lightning counts the fast step's updates as the default's
     assert slow_state.keys() == fast_state.keys()
     for key in slow_state:
         if key.startswith("model."):
             torch.testing.assert_close(fast_state[key], slow_state[key], rtol=1e-4, atol=1e-5, msg=key)
     assert fast_metrics["test/auc"] == pytest.approx(slow_metrics["test/auc"], abs=1e-4)
     assert fast_metrics["test/auc"] > 0.55  # it learned
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_step_limit_ends_the_run_after_that_many_updates(make_cfg, fast: bool) -> None:
+    # 5 updates of 128 rows, before the first validation (early stopping on val/auc has seen none)
+    metrics = train(make_cfg(*SMALL, "trainer.max_epochs=3", "trainer.max_steps=5",
+                             f"task.fast_step={str(fast).lower()}", run=f"steps{fast}"))
+    assert Path(metrics["test_checkpoint"]).name == "last.ckpt"
+    assert torch.load(metrics["test_checkpoint"], map_location="cpu", weights_only=False)["global_step"] == 5
+    assert metrics["train/events"] == 5 * 128
+    assert 0 < metrics["test/auc"] < 1
 
 
 @pytest.mark.slow

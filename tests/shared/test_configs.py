@@ -238,6 +238,29 @@ def test_every_experiment_runs_a_few_batches(experiment, make_cfg, data_files):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("experiment", ["dlrm_criteo_x1", "sasrec_ml-1m", "hstu_ml-1m"])
+def test_a_step_limit_before_the_first_validation_ends_the_run(experiment, make_cfg, data_files):
+    # Presets that validate every epoch and stop early on a validation metric: one update, then
+    # trainer.max_steps ends the fit before any validation. Early stopping has nothing to act on
+    # (the sanity check's figures are not a pass), and the last checkpoint is tested.
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from recforge.pipeline import train
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        probe = compose("train", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    assert probe.callbacks.early_stopping.monitor.startswith("val/")
+    cfg = make_cfg(f"experiment={experiment}", "trainer.max_epochs=2", "trainer.max_steps=1",
+                   *_data_overrides(probe.hydra.runtime.choices.data, data_files))
+    metrics = train(cfg)
+    assert not [key for key in metrics if key.startswith("val/")]  # no validation pass ran
+    assert Path(metrics["test_checkpoint"]).name == "last.ckpt"
+    assert torch.load(metrics["test_checkpoint"], map_location="cpu", weights_only=False)["global_step"] == 1
+    assert cfg.evaluation.monitor.replace("val/", "test/") in metrics
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("debug", ["fdr", "limit", "overfit"])
 def test_debug_presets_run(debug, make_cfg):
     from recforge.pipeline import train

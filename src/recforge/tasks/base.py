@@ -84,8 +84,10 @@ class RecTask(L.LightningModule):
         self._lazy_objects: dict[str, Any] = {}
         self._pending_states: dict[str, dict] = {}
         # the names the last validation pass logged: checkpointing and early stopping act on a
-        # pass only if it logged their monitor (recforge.callbacks.fresh_monitor)
-        self.last_validation_logged: set[str] | None = None
+        # pass only if it logged their monitor (recforge.callbacks.fresh_monitor). Empty before
+        # the first pass: a step limit (trainer.max_steps) may end training before any, and
+        # early stopping must not then ask for a monitor no pass has logged
+        self.last_validation_logged: set[str] = set()
 
     @property
     def validation_sample(self) -> ValidationSample | None:
@@ -262,7 +264,8 @@ class RecTask(L.LightningModule):
         # computed once per epoch: the metric sums are reduced across DDP ranks inside
         values = self.evaluation.compute_and_reset(split)
         self.log_dict(values, sync_dist=False)
-        if split == "val":
+        if split == "val" and not self.trainer.sanity_checking:
+            # Lightning drops what the sanity check logs: no callback may take it as logged
             self.last_validation_logged = set(values)
 
     def on_validation_epoch_end(self) -> None:

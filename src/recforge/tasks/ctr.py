@@ -157,7 +157,11 @@ class CTRTask(RecTask):
             super().optimize(loss, step)
             return
         # the backward is the update (one process: no padding steps, no gradient to clear or clip)
+        optimizer = self.optimizers()
         self.manual_backward(loss)
+        # No parameter has a gradient, so the step changes nothing; it is how Lightning counts an
+        # update (trainer.global_step: max_steps, step-wise checkpoints and logging, a resumed run)
+        optimizer.step()
         self.step_scheduler_per_update()
 
     def optimizer_params(self) -> list[dict]:
