@@ -148,6 +148,22 @@ def test_grouped_steps_train_exactly_like_single_steps(make_cfg):
         assert torch.equal(value, weights_five[name]), name
 
 
+def test_a_step_limit_inside_a_group_stops_at_that_update(make_cfg):
+    """trainer.max_steps counts updates: 5 with 8 steps a Lightning batch is 5, not the group's 8,
+    the same 5 as ungrouped (weights equal), and only their events are counted."""
+    runs = {}
+    for per_batch in (1, 8):
+        cfg = make_cfg("trainer.max_steps=5", f"data.steps_per_batch={per_batch}", "seed=3", run=f"limit{per_batch}")
+        metrics = train(cfg)
+        checkpoint = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
+        runs[per_batch] = metrics, checkpoint
+    for metrics, checkpoint in runs.values():
+        assert checkpoint["global_step"] == 5
+        assert metrics["train/events"] == 5 * cfg.data.batch_size
+    for name, value in runs[1][1]["state_dict"].items():
+        assert torch.equal(value, runs[8][1]["state_dict"][name]), name
+
+
 def test_eval_reproduces_training_test_metrics(make_cfg):
     trained = train(make_cfg())
     ckpt = trained["test_checkpoint"]

@@ -134,10 +134,23 @@ class SessionNextItemTask(RecTask):
     def training_step(self, batch: SessionStep | SessionSteps, batch_idx: int) -> torch.Tensor:
         # A grouped batch (data.steps_per_batch > 1) is several steps, each with its own update.
         steps = batch.steps if isinstance(batch, SessionSteps) else (batch,)
+        left = self._updates_left()
+        if left is not None and left < len(steps):
+            # trainer.max_steps counts updates, and Lightning checks it between batches only: the
+            # group ends at the limit and keeps just the steps that ran, which is what the
+            # callbacks after this (events counted, logged) then read
+            steps = batch.steps = batch.steps[:left]
         for step in steps:
             loss = self._train_step(step)
         self.log_step_loss(loss, batch_idx, steps[-1].size)
         return loss
+
+    def _updates_left(self) -> int | None:
+        """Updates ``trainer.max_steps`` still allows (None without a step limit)."""
+        max_steps = self.trainer.max_steps
+        if max_steps is None or max_steps < 0:
+            return None
+        return max_steps - self.trainer.global_step
 
     def _train_step(self, batch: SessionStep) -> torch.Tensor:
         if batch.size == 0:
