@@ -261,6 +261,23 @@ def test_a_step_limit_before_the_first_validation_ends_the_run(experiment, make_
 
 
 @pytest.mark.slow
+def test_validation_twice_an_epoch_is_one_override(make_cfg):
+    # trainer.val_check_interval is in the trainer's config, so no '+' is needed; early stopping and
+    # checkpointing act on each of the passes
+    import csv
+
+    from recforge.pipeline import train
+
+    cfg = make_cfg("model=dlrm", "data.generator.n_rows=6000", "trainer.max_epochs=2",
+                   "trainer.val_check_interval=0.5", "logger=csv")
+    metrics = train(cfg)
+    with open(Path(cfg.paths.output_dir) / "csv" / "metrics.csv", newline="") as f:
+        passes = [row for row in csv.DictReader(f) if row.get("val/auc")]
+    assert [int(row["epoch"]) for row in passes] == [0, 0, 1, 1]
+    assert 0 < metrics["test/auc"] < 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("debug", ["fdr", "limit", "overfit"])
 def test_debug_presets_run(debug, make_cfg):
     from recforge.pipeline import train
