@@ -1,6 +1,7 @@
 """Every declared-valid config combination composes and builds; invalid ones fail clearly."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -275,6 +276,18 @@ def test_validation_twice_an_epoch_is_one_override(make_cfg):
         passes = [row for row in csv.DictReader(f) if row.get("val/auc")]
     assert [int(row["epoch"]) for row in passes] == [0, 0, 1, 1]
     assert 0 < metrics["test/auc"] < 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_trains_and_evaluates_under_bf16_autocast(model, make_cfg):
+    # hardware=bf16's precision (a GPU preset) on this CPU: Lightning's autocast around the
+    # training step, its manual backward and the evaluation
+    from recforge.pipeline import train
+
+    metrics = train(make_cfg(f"model={model}", "trainer.precision=bf16-mixed", "trainer.fast_dev_run=3"))
+    monitored = [key for key in metrics if key.startswith("test/") and not key.endswith("_per_s")]
+    assert monitored and all(math.isfinite(metrics[key]) for key in monitored)
 
 
 @pytest.mark.slow

@@ -91,3 +91,20 @@ def test_old_evaluation_names_compose_the_same_config_and_warn_once(old: str, ne
     assert [str(w.message) for w in caught] == [
         f"evaluation={old} is deprecated and will be removed in the next release: use evaluation={new}"
     ]
+
+
+def test_target_ranks_under_autocast_are_counted_in_the_inputs_precision() -> None:
+    # Lightning's bf16-mixed evaluates under autocast: the scores must still be float32 ones
+    # (bf16 scores tie and reorder items the float32 ones do not)
+    from recforge.kernels.target_rank import target_rank_counts
+
+    g = torch.Generator().manual_seed(0)
+    queries, weights = torch.randn(64, 32, generator=g), torch.randn(5000, 32, generator=g)
+    bias, targets = torch.randn(5000, generator=g), torch.randint(0, 5000, (64,), generator=g)
+    want = target_rank_counts(queries, weights, bias, targets, chunk_size=1024)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = target_rank_counts(queries, weights, bias, targets, chunk_size=1024)
+        in_bf16 = target_rank_counts(queries.bfloat16(), weights, bias, targets, chunk_size=1024)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(in_bf16, target_rank_counts(
+        queries.bfloat16(), weights, bias, targets, chunk_size=1024)))

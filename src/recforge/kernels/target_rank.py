@@ -204,6 +204,14 @@ def target_rank_counts(
     _validate_exclusions(
         exclude_items, exclude_offsets, queries.shape[0], item_weights.shape[0], queries.device
     )
+    # Mixed precision (trainer.precision=bf16-mixed) evaluates under autocast, whose matmuls would
+    # score in bf16 whatever _compute_dtype chose: the counts are taken in that dtype, as the
+    # Triton twin takes them
+    with torch.autocast(queries.device.type, enabled=False):
+        return _dispatch(queries, item_weights, item_bias, targets, chunk_size, kernel, exclude_items, exclude_offsets)
+
+
+def _dispatch(queries, item_weights, item_bias, targets, chunk_size, kernel, exclude_items, exclude_offsets):
     return TRITON.dispatch(
         "target_rank_counts", kernel,
         [t for t in (queries, item_weights, item_bias) if t is not None],

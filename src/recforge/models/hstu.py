@@ -142,6 +142,11 @@ class HSTULayer(nn.Module):
         return self._output(attn, u, x.index_select(0, last))
 
     def _output(self, attn: torch.Tensor, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if attn.dtype != x.dtype:
+            # Autocast (trainer.precision=...-mixed) hands over attn and u from its low-precision
+            # matmuls; the fused output takes one dtype: the residual stream's, the precision
+            # autocast itself keeps for LayerNorm and the residual add
+            attn, u = attn.to(x.dtype), u.to(x.dtype)
         return hstu_output(
             attn, u, x, self.o.weight, self.o.bias,
             dropout_p=self.linear_dropout_rate if self.training else 0.0, eps=_LN_EPS,

@@ -440,7 +440,7 @@ def test_a_users_outputs_do_not_depend_on_the_rest_of_the_batch():
 
 
 def test_empty_histories_give_empty_outputs_and_a_zero_loss_with_gradients():
-    model = _model().float().train()
+    model = _model().float()  # eval: no dropout draws to differ between the two forwards
     empty = torch.zeros(0, dtype=torch.int64)
     out = model(empty, torch.zeros(4, dtype=torch.int64), empty, empty)
     assert out.shape == (0, 8)
@@ -615,3 +615,17 @@ def test_resume_trains_like_an_uninterrupted_run(make_cfg):
     for name, value in b.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(a[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_model_runs_under_autocast_with_a_float32_residual_stream():
+    # trainer.precision=bf16-mixed: the projections run in bf16, and the fused output (LayerNorm,
+    # gate, projection, residual) takes attn and u in the residual stream's float32
+    model = _model().float()  # eval: no dropout draws to differ between the two forwards
+    items, offsets, times, query = _jagged([5, 1, 9, 3])
+    want = model(items, offsets, times, query)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(items, offsets, times, query)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=0.05, atol=0.05)  # bf16 projections: 8 bits of mantissa
+    out.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.layers.parameters())
