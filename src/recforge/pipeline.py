@@ -164,6 +164,24 @@ def _check_stops(cfg: DictConfig, callbacks: list[L.Callback]) -> None:
     )
 
 
+def _check_manual_optimization(cfg: DictConfig) -> None:
+    """Refuse the Trainer's own accumulation and clipping in one line each: recforge's tasks take
+    their optimizer steps themselves (Lightning's manual optimisation), which has neither."""
+    trainer = cfg.trainer
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    if accumulate not in (None, 1):
+        raise UserInputError(
+            f"trainer.accumulate_grad_batches={accumulate}: recforge's tasks step their optimizers "
+            "themselves (Lightning's manual optimisation), which accumulates nothing; train on larger "
+            "mini-batches with data.batch_size instead")
+    clip = trainer.get("gradient_clip_val")
+    if clip not in (None, 0, 0.0):
+        raise UserInputError(
+            f"trainer.gradient_clip_val={clip}: clipping is the task's (it also clips the item tables' "
+            f"sparse gradients, which the Trainer's cannot): set task.gradient_clip_val={clip} "
+            "(and task.gradient_clip_algorithm) instead")
+
+
 def _trainer(cfg: DictConfig, callbacks: list, loggers: list, has_validation: bool = True) -> L.Trainer:
     extra = {} if has_validation else {"limit_val_batches": 0, "num_sanity_val_steps": 0}
     return instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
@@ -256,6 +274,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if do_fit:
         datamodule.check_trainable(task.min_batch_rows)
         _check_stops(cfg, callbacks)
+        _check_manual_optimization(cfg)
     if resume is not None:
         check_resumable(task, resume, cfg, run_cfg, do_fit)
     # every value, file and combination has passed: a refused run's one line is all it prints

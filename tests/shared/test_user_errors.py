@@ -177,6 +177,16 @@ def test_max_epochs_minus_one_needs_something_that_stops(tmp_path, files):
     assert metrics["test/recall@20"] >= 0
 
 
+@pytest.mark.parametrize("override,message", [
+    ("+trainer.accumulate_grad_batches=2",
+     r"^trainer\.accumulate_grad_batches=2: recforge's tasks step their optimizers themselves .*data\.batch_size"),
+    ("+trainer.gradient_clip_val=0.5",
+     r"^trainer\.gradient_clip_val=0\.5: clipping is the task's .* set task\.gradient_clip_val=0\.5 "),
+])
+def test_the_trainers_own_accumulation_and_clipping_name_what_to_set(tmp_path, override, message):
+    _refused(_cfg(tmp_path, override), message)
+
+
 # ---------------------------------------------------------------- checkpoints
 def test_eval_without_ckpt_path_says_how_to_give_one(tmp_path):
     _refused(_cfg(tmp_path, name="eval"), r"^ckpt_path is not set: give the checkpoint", fn=evaluate)
