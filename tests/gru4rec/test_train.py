@@ -237,6 +237,36 @@ def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     assert 0.4 * total < trained["train/events"] < 0.6 * total
 
 
+def test_ddp_ranks_stop_together_at_a_step_limit_past_a_padded_epoch(make_cfg, tmp_path, data_dir):
+    """The rank with fewer steps pads to the other's count. Its padding steps update nothing but
+    are counted, so both ranks agree on trainer.global_step, and a limit 10 updates into the second
+    epoch stops both (uncounted, one rank stopped while the other waited in its all-reduce)."""
+    from conftest import CHEAP, REPO_ROOT, compose_config, shrinks_for
+
+    from recforge.data.sessions.parallel import count_steps
+
+    sizes = shrinks_for(compose_config("train", [], tmp_path / "probe", data_dir), [])
+    datamodule, task = build(make_cfg(run="probe"))
+    arrays = datamodule.split("train")
+    steps = [count_steps(arrays.offsets, arrays.partition(r, 2), datamodule.batch_size, task.min_batch_rows)
+             for r in range(2)]
+    assert steps[0] != steps[1]  # one rank pads
+    limit = max(steps) + 10
+    log_dir = tmp_path / "ddp"
+    cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *sizes, *CHEAP, "trainer.max_epochs=2",
+           f"trainer.max_steps={limit}", f"paths.log_dir={log_dir}",
+           f"paths.data_dir={data_dir}"]
+    done = run_child(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, capture_output=True,
+                     text=True, timeout=300)
+    assert done.returncode == 0, _rank_failures(done.stderr)
+    (run_dir,) = (log_dir / "train" / "runs").iterdir()
+    trained = json.loads((run_dir / "metrics.json").read_text())
+    # rank 0 trained 10 updates of the second epoch, then both ranks stopped (no all-reduce left
+    # waiting: the run ended)
+    assert trained["epochs"] == 2
+    assert 9 * 32 < trained["train/events"] <= 10 * 32
+
+
 def test_gradient_clipping_of_sparse_gradients_trains(make_cfg):
     clipped = train(make_cfg("task.gradient_clip_val=0.01", "trainer.limit_train_batches=30", run="clip"))
     free = train(make_cfg("trainer.limit_train_batches=30", run="free"))

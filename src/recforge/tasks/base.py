@@ -151,6 +151,12 @@ class RecTask(L.LightningModule):
         if self._sparse_synced:
             average_sparse_grads_(self._sparse_synced)
         if not step:
+            # No gradient, so the step changes nothing (optimizers skip a parameter without one),
+            # but Lightning counts it: every rank then agrees on trainer.global_step, and a step
+            # limit (trainer.max_steps) stops them all at the same update, not one waiting on the
+            # others' all-reduce
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
             return
         if self.gradient_clip_val:
             self.configure_gradient_clipping(optimizer, self.gradient_clip_val, self.gradient_clip_algorithm)
