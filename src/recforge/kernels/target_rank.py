@@ -208,21 +208,17 @@ def target_rank_counts(
     # score in bf16 whatever _compute_dtype chose: the counts are taken in that dtype, as the
     # Triton twin takes them
     with torch.autocast(queries.device.type, enabled=False):
-        return _dispatch(queries, item_weights, item_bias, targets, chunk_size, kernel, exclude_items, exclude_offsets)
-
-
-def _dispatch(queries, item_weights, item_bias, targets, chunk_size, kernel, exclude_items, exclude_offsets):
-    return TRITON.dispatch(
-        "target_rank_counts", kernel,
-        [t for t in (queries, item_weights, item_bias) if t is not None],
-        triton=lambda module: module.target_rank_counts_triton(
-            queries, item_weights, item_bias, targets,
-            exclude_items=exclude_items, exclude_offsets=exclude_offsets,
-        ),
-        reference=lambda: _target_rank_counts_chunked(
-            queries, item_weights, item_bias, targets, chunk_size, exclude_items, exclude_offsets
-        ),
-    )
+        return TRITON.dispatch(
+            "target_rank_counts", kernel,
+            [t for t in (queries, item_weights, item_bias) if t is not None],
+            triton=lambda module: module.target_rank_counts_triton(
+                queries, item_weights, item_bias, targets,
+                exclude_items=exclude_items, exclude_offsets=exclude_offsets,
+            ),
+            reference=lambda: _target_rank_counts_chunked(
+                queries, item_weights, item_bias, targets, chunk_size, exclude_items, exclude_offsets
+            ),
+        )
 
 
 def _target_rank_counts_chunked(
