@@ -237,11 +237,14 @@ def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     assert 0.4 * total < trained["train/events"] < 0.6 * total
 
 
-def test_ddp_ranks_stop_together_at_a_step_limit_past_a_padded_epoch(make_cfg, tmp_path, data_dir):
-    """The rank with fewer steps pads to the other's count. Its padding steps update nothing but
-    are counted, so both ranks agree on trainer.global_step, and a limit 10 updates into the second
-    epoch stops both (uncounted, one rank stopped while the other waited in its all-reduce)."""
+def test_ddp_ranks_past_a_padded_epoch_stay_equal_and_stop_together(make_cfg, tmp_path, data_dir):
+    """The rank with fewer steps pads to the other's count. Its padding steps apply the averaged
+    update the other rank applies, so the two replicas end equal to the bit (before: up to 0.07
+    apart after two epochs); they are counted, so both ranks agree on trainer.global_step, and a
+    limit 10 updates into the second epoch stops both (uncounted, one rank stopped while the other
+    waited in its all-reduce)."""
     from conftest import CHEAP, REPO_ROOT, compose_config, shrinks_for
+    from rank_weights import load_rank_weights
 
     from recforge.data.sessions.parallel import count_steps
 
@@ -254,10 +257,13 @@ def test_ddp_ranks_stop_together_at_a_step_limit_past_a_padded_epoch(make_cfg, t
     limit = max(steps) + 10
     log_dir = tmp_path / "ddp"
     cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *sizes, *CHEAP, "trainer.max_epochs=2",
-           f"trainer.max_steps={limit}", f"paths.log_dir={log_dir}",
-           f"paths.data_dir={data_dir}"]
-    done = run_child(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, capture_output=True,
-                     text=True, timeout=300)
+           f"trainer.max_steps={limit}", f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}",
+           "+callbacks.rank_weights._target_=rank_weights.SaveRankWeights",
+           f"+callbacks.rank_weights.out={tmp_path / 'weights'}"]
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, _rank_failures(done.stderr)
     (run_dir,) = (log_dir / "train" / "runs").iterdir()
     trained = json.loads((run_dir / "metrics.json").read_text())
@@ -265,6 +271,10 @@ def test_ddp_ranks_stop_together_at_a_step_limit_past_a_padded_epoch(make_cfg, t
     # waiting: the run ended)
     assert trained["epochs"] == 2
     assert 9 * 32 < trained["train/events"] <= 10 * 32
+    rank0, rank1 = load_rank_weights(tmp_path / "weights", world=2)
+    assert rank0.keys() == rank1.keys()
+    for name in rank0:
+        torch.testing.assert_close(rank1[name], rank0[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_gradient_clipping_of_sparse_gradients_trains(make_cfg):

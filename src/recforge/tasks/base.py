@@ -1,7 +1,7 @@
 """The training machinery every task shares; a family's task subclasses :class:`RecTask`.
 
-What lives here, once: manual optimisation (one update per training step, a DDP padding step that
-joins the gradient all-reduce without an update), averaging of sparse item-table gradients across
+What lives here, once: manual optimisation (one update per training step, every DDP rank applying
+the same averaged update, a padding rank's included), averaging of sparse item-table gradients across
 DDP ranks (optim/sparse_grad_sync.py), clipping that understands sparse gradients, learning-rate
 schedulers stepped per epoch or per update, objects with state that must survive a resume (negative samplers),
 the epoch's mean training loss, and the logging of the evaluation's metrics.
@@ -142,22 +142,19 @@ class RecTask(L.LightningModule):
             raise RuntimeError(f"DDP still reduces {reduced_twice}, which the task averages itself")
 
     # ------------------------------------------------------------------ optimisation
-    def optimize(self, loss: torch.Tensor, step: bool = True) -> None:
-        """Backward ``loss`` and update once. ``step=False`` (a DDP rank's padding step) takes
-        part in the gradient all-reduce but leaves weights and optimizer state untouched."""
+    def optimize(self, loss: torch.Tensor) -> None:
+        """Backward ``loss`` and update once.
+
+        Under DDP a rank with no rows left pads its epoch with a zero loss (GRU4Rec's sessions
+        split unevenly); it still receives the other ranks' averaged gradient, and applies it here
+        like every rank does, so the replicas stay equal and agree on ``trainer.global_step``.
+        (The average is over the whole world, padding ranks' zeros included: the default of
+        PyTorch's ``DistributedDataParallel.join``.)"""
         optimizer = self.optimizers()
         optimizer.zero_grad(set_to_none=True)
         self.manual_backward(loss)
         if self._sparse_synced:
             average_sparse_grads_(self._sparse_synced)
-        if not step:
-            # No gradient, so the step changes nothing (optimizers skip a parameter without one),
-            # but Lightning counts it: every rank then agrees on trainer.global_step, and a step
-            # limit (trainer.max_steps) stops them all at the same update, not one waiting on the
-            # others' all-reduce
-            optimizer.zero_grad(set_to_none=True)
-            optimizer.step()
-            return
         if self.gradient_clip_val:
             self.configure_gradient_clipping(optimizer, self.gradient_clip_val, self.gradient_clip_algorithm)
         optimizer.step()

@@ -152,9 +152,9 @@ class CTRTask(RecTask):
             self._learning_rates = _plain_sgd_rates(optimizer)
         return configured
 
-    def optimize(self, loss: torch.Tensor, step: bool = True) -> None:
+    def optimize(self, loss: torch.Tensor) -> None:
         if not self.fast_step:
-            super().optimize(loss, step)
+            super().optimize(loss)
             return
         # the backward is the update (one process: no padding steps, no gradient to clear or clip)
         optimizer = self.optimizers()

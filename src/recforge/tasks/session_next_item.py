@@ -155,7 +155,8 @@ class SessionNextItemTask(RecTask):
     def _train_step(self, batch: SessionStep) -> torch.Tensor:
         if batch.size == 0:
             # A DDP rank that ran out of sessions still joins the gradient all-reduce, with a
-            # zero loss built through the same parameters so every gradient has the same layout.
+            # zero loss built through the same parameters so every gradient has the same layout,
+            # and applies the averaged update as the other ranks do (RecTask.optimize).
             # (two rows: every loss, BPR-max without extra samples included, needs a negative)
             batch = SessionStep(
                 inputs=torch.zeros(2, dtype=torch.long, device=self.device),
@@ -164,7 +165,7 @@ class SessionNextItemTask(RecTask):
             )
             loss = self._train_loss(batch, hidden=None) * 0.0
             self._train_hidden = [h[:0] for h in self._train_hidden] if self._train_hidden else None
-            self.optimize(loss, step=False)
+            self.optimize(loss)
             return loss
         loss = self.train_loss(batch)
         self.optimize(loss)
