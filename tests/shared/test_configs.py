@@ -280,14 +280,35 @@ def test_validation_twice_an_epoch_is_one_override(make_cfg):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
-def test_every_model_trains_and_evaluates_under_bf16_autocast(model, make_cfg):
+def test_every_model_trains_and_evaluates_under_bf16_autocast(model, make_cfg, monkeypatch):
     # hardware=bf16's precision (a GPU preset) on this CPU: Lightning's autocast around the
     # training step, its manual backward and the evaluation
-    from recforge.pipeline import train
+    import lightning as L
+    import torch
 
-    metrics = train(make_cfg(f"model={model}", "trainer.precision=bf16-mixed", "trainer.fast_dev_run=3"))
+    from recforge import pipeline
+
+    class AutocastInBackward(L.Callback):
+        """Whether autocast was on when each parameter's gradient arrived (hooks fire inside the
+        backward, on this thread)."""
+
+        def __init__(self) -> None:
+            self.seen: list[bool] = []
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            for param in pl_module.parameters():
+                if param.requires_grad:
+                    param.register_hook(lambda grad: self.seen.append(torch.is_autocast_enabled("cpu")))
+
+    probe = AutocastInBackward()
+    callbacks = pipeline._callbacks
+    monkeypatch.setattr(pipeline, "_callbacks", lambda cfg, has_validation: [*callbacks(cfg, has_validation), probe])
+    metrics = pipeline.train(make_cfg(f"model={model}", "trainer.precision=bf16-mixed", "trainer.fast_dev_run=3"))
     monitored = [key for key in metrics if key.startswith("test/") and not key.endswith("_per_s")]
     assert monitored and all(math.isfinite(metrics[key]) for key in monitored)
+    # the task's backward runs outside the step's autocast (RecTask.manual_backward), as PyTorch's
+    # AMP guidance has it: a custom Function's backward is not autocast anew
+    assert probe.seen and not any(probe.seen)
 
 
 @pytest.mark.slow

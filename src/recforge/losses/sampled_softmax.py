@@ -144,14 +144,6 @@ class _GatheredDots(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # A manual-optimisation backward runs inside the training step's autocast (Lightning's
-        # mixed precision); the forward ran without it, and so does its backward: the same dtype,
-        # and the CPU's sparse products take no half types
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _GatheredDots._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         queries, table, ids = ctx.saved_tensors
         n_pos, dim = queries.shape
         if ctx.form == "sparse":

@@ -160,6 +160,15 @@ class RecTask(L.LightningModule):
         optimizer.step()
         self.step_scheduler_per_update()
 
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        # Lightning calls the training step inside its mixed-precision autocast (trainer.precision=
+        # bf16-mixed / 16-mixed), and a manual backward with it. PyTorch's AMP guidance is a backward
+        # outside autocast: each op's backward already runs in the dtype its forward chose, while a
+        # custom Function's backward would be autocast anew (the sampled softmax's sparse product
+        # in bf16, which the CPU lacks; gradients in another dtype than their forward's)
+        with torch.autocast(loss.device.type, enabled=False):
+            super().manual_backward(loss, *args, **kwargs)
+
     def step_scheduler_per_update(self) -> None:
         """Step the schedule after an update when it counts updates (``scheduler_interval=step``)."""
         if self.scheduler_interval == "step" and self.scheduler_factory is not None:

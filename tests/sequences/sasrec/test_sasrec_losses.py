@@ -205,23 +205,3 @@ def test_mixed_precision_queries_against_an_fp32_table() -> None:
     got = loss_fn(q.bfloat16(), positives, table.float(), negatives=negatives)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("form", ["gathered", "dense", "sparse"])
-def test_a_backward_run_inside_autocast_is_the_one_outside(form, monkeypatch) -> None:
-    """Lightning's mixed precision runs a manual-optimisation backward inside the step's autocast;
-    the forward ran with autocast off (the loss turns it off), so the backward must too: the same
-    gradients, and no half-precision sparse product (which the CPU does not have)."""
-    monkeypatch.setattr(ss, "_FORCE_FORM", form)
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(12, 16, generator=g, requires_grad=True)
-    table = torch.randn(300, 16, generator=g, requires_grad=True)
-    ids = torch.randint(0, 300, (12, 9), generator=g)
-    grad_out = torch.randn(12, 9, generator=g)
-    want = torch.autograd.grad(ss._GatheredDots.apply(q, table, ids), (q, table), grad_out)
-    out = ss._GatheredDots.apply(q, table, ids)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = torch.autograd.grad(out, (q, table), grad_out)
-    for a, b in zip(got, want):
-        assert a.dtype == torch.float32
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
