@@ -70,7 +70,7 @@ class RecTask(L.LightningModule):
         self.scheduler_factory = scheduler
         self.evaluation = evaluation
         # Manual optimisation: a GRU4Rec step is small and Lightning's closure machinery cost a
-        # quarter of it; it also lets a padded DDP step join the all-reduce without an update.
+        # quarter of it; it also lets a DDP rank out of rows pad its epoch with zero-loss steps.
         self.automatic_optimization = False
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}")
