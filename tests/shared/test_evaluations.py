@@ -61,6 +61,36 @@ def test_full_ranking_computes_hand_ranked_metrics_then_resets() -> None:
     assert all(float(v) == 0 for v in evaluation.compute_and_reset("test").values())
 
 
+@pytest.mark.filterwarnings("ignore:The ``compute`` method:UserWarning")
+def test_a_rank_cap_truncates_the_uncut_mrr_only() -> None:
+    # Three queries over 6 items ranking their targets 1st, 3rd and 5th. With max_rank=3 the 5th
+    # is kept as 4: the cut-offs up to 3 are those of the exact ranks, the uncut MRR takes 1/4
+    # where the exact one takes 1/5 (the reference's top-list protocol).
+    items = torch.eye(6)
+    queries = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                            [0.9, 0.8, 0.7, 0.0, 0.0, 0.0],
+                            [0.9, 0.8, 0.7, 0.6, 0.5, 0.0]])
+    targets = torch.tensor([5, 2, 4])
+    values = {}
+    for cap in (None, 3):
+        evaluation = FullRanking(ks=(1, 3), metrics=("recall", "mrr"), full_mrr=True, max_rank=cap,
+                                 monitor="val/mrr@3")
+        evaluation.update("val", queries, items, None, targets)
+        values[cap] = {k: float(v) for k, v in evaluation.compute_and_reset("val").items()}
+    assert values[None] == pytest.approx({"val/recall@1": 1 / 3, "val/recall@3": 2 / 3, "val/mrr@1": 1 / 3,
+                                          "val/mrr@3": (1 + 1 / 3) / 3, "val/mrr": (1 + 1 / 3 + 1 / 5) / 3})
+    assert values[3] == pytest.approx({**values[None], "val/mrr": (1 + 1 / 3 + 1 / 4) / 3})
+
+
+def test_a_cut_off_past_the_rank_cap_is_refused_in_one_line() -> None:
+    # a rank past the cap is kept as max_rank + 1, which a larger cut-off would count as a hit
+    with pytest.raises(UserInputError) as error:
+        FullRanking(ks=(1, 5, 20), max_rank=5, monitor="val/mrr@20")
+    assert str(error.value) == ("evaluation.max_rank=5 is below the largest cut-off in evaluation.ks (20): "
+                                "ranks past max_rank are not known, so set max_rank >= 20 or null")
+    FullRanking(ks=(1, 5, 20), max_rank=20, monitor="val/mrr@20")  # every cut-off within the cap
+
+
 def test_ctr_evaluation_computes_hand_counted_metrics_then_resets() -> None:
     evaluation = CTREvaluation(metrics=("auc", "accuracy"), monitor="val/auc")
     logits = torch.tensor([2.0, -1.0, 0.5, -3.0])

@@ -60,6 +60,13 @@ class FullRanking(SplitEvaluation):
         full_every_n_epochs: Annotated[int, Range(ge=1)] | None = None,
         sample_seed: int | None = 0,
     ) -> None:
+        if max_rank is not None and max(ks) > max_rank:
+            # a rank beyond max_rank is kept as max_rank + 1, which a cut-off above max_rank would
+            # count as a hit (Recall@20 of 1.0 with max_rank=5)
+            raise UserInputError(
+                f"evaluation.max_rank={max_rank} is below the largest cut-off in evaluation.ks "
+                f"({max(ks)}): ranks past max_rank are not known, so set max_rank >= {max(ks)} or null"
+            )
         sample = None if max_users is None else ValidationSample(max_users, full_every_n_epochs, sample_seed or 0)
         if sample is not None and full_every_n_epochs is None and monitor is not None \
                 and not monitor.startswith(f"{SAMPLE_PREFIX}/"):
