@@ -277,6 +277,29 @@ def test_ddp_ranks_past_a_padded_epoch_stay_equal_and_stop_together(make_cfg, tm
         torch.testing.assert_close(rank1[name], rank0[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam_rowwise_adagrad"])
+def test_a_dense_sparse_optimizer_updates_the_item_tables_row_wise(optimizer, make_cfg):
+    """The dense/sparse optimizers route groups by their "sparse" flag: GRU4Rec's sparse item
+    tables go to the row-wise child (one accumulator per row), the GRU to the dense child (Adam was
+    given them all and stopped at the first sparse gradient)."""
+    from torch import nn
+
+    from recforge.optim.rowwise_adagrad import RowWiseAdagrad
+
+    cfg = make_cfg(f"optimizer={optimizer}", "trainer.limit_train_batches=20", run=optimizer)
+    _, task = build(cfg)
+    optim = task.configure_optimizers()
+    tables = {id(m.weight): m.weight for m in task.modules() if isinstance(m, nn.Embedding) and m.sparse}
+    assert tables
+    sparse_child, dense_child = optim.optimizers["sparse"], optim.optimizers["dense"]
+    assert isinstance(sparse_child, RowWiseAdagrad)
+    assert {id(p) for g in sparse_child.param_groups for p in g["params"]} == set(tables)
+    dense_ids = {id(p) for g in dense_child.param_groups for p in g["params"]}
+    assert dense_ids == {id(p) for p in task.parameters()} - set(tables)
+    trained = train(cfg)
+    assert math.isfinite(trained["test/recall@20"]) and trained["test/recall@20"] > 0
+
+
 def test_gradient_clipping_of_sparse_gradients_trains(make_cfg):
     clipped = train(make_cfg("task.gradient_clip_val=0.01", "trainer.limit_train_batches=30", run="clip"))
     free = train(make_cfg("trainer.limit_train_batches=30", run="free"))

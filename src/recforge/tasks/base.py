@@ -22,6 +22,7 @@ from recforge.errors import UserInputError
 from recforge.evaluation.user_sample import SAMPLE_PREFIX, ValidationSample
 from recforge.optim.sparse_capable import check_optimizer_takes_sparse
 from recforge.optim.clipping import clip_grad_norm_, clip_grad_value_
+from recforge.optim.dense_sparse import DenseSparseOptimizer
 from recforge.optim.sparse_grad_sync import average_sparse_grads_, sparse_parameter_names
 
 log = logging.getLogger(__name__)
@@ -193,8 +194,19 @@ class RecTask(L.LightningModule):
         return [], None
 
     def optimizer_params(self):
-        """What the optimizer factory is given: every parameter (a family may split them in groups)."""
-        return self.parameters()
+        """What the optimizer factory is given: every parameter, in one group. An optimizer that
+        routes groups by their ``"sparse"`` flag (:class:`DenseSparseOptimizer`:
+        ``optimizer=rowwise_adagrad``, ``adam_rowwise_adagrad``) gets the sparse-gradient item
+        tables as a flagged group of their own, for its sparse child (a family may split them
+        otherwise)."""
+        factory = getattr(self.optimizer_factory, "func", self.optimizer_factory)
+        names = sparse_parameter_names(self)
+        if not names or not (isinstance(factory, type) and issubclass(factory, DenseSparseOptimizer)):
+            return self.parameters()
+        tables = list({id(p): p for p in map(self.get_parameter, names)}.values())
+        table_ids = {id(p) for p in tables}
+        return [{"params": [p for p in self.parameters() if id(p) not in table_ids]},
+                {"params": tables, "sparse": True}]
 
     def configure_optimizers(self):
         check_optimizer_takes_sparse(self.optimizer_factory, self.model, CONF_DIR)
