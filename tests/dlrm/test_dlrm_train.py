@@ -84,6 +84,28 @@ def test_resume_inside_an_epoch_trains_like_an_uninterrupted_run(make_cfg, tmp_p
 
 
 @pytest.mark.slow
+def test_a_run_stopped_by_a_step_limit_resumes_as_if_uninterrupted(make_cfg):
+    """``trainer.max_steps=20`` stops inside epoch 0 (33 batches an epoch), before any validation:
+    its last.ckpt holds that step, and resumed without the limit the run ends with the
+    uninterrupted run's weights, bit for bit (Lightning alone left no checkpoint of it)."""
+    fixed = [*SMALL, "~callbacks.early_stopping", "trainer.max_epochs=2"]
+    straight = make_cfg(*fixed, run="straight")
+    train(straight)
+    stopped = make_cfg(*fixed, "trainer.max_steps=20", run="stopped")
+    train(stopped)
+    last = Path(stopped.paths.output_dir) / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 20
+    resumed = make_cfg(*fixed, f"ckpt_path={last}", run="resumed")
+    train(resumed)
+    want = _weights(Path(straight.paths.output_dir) / "checkpoints" / "last.ckpt")
+    got = _weights(Path(resumed.paths.output_dir) / "checkpoints" / "last.ckpt")
+    assert torch.load(Path(resumed.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)[
+        "global_step"] == 66
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_reduce_the_metrics_of_every_row(make_cfg, tmp_path, data_dir):
     """``hardware=ddp_cpu`` as a user runs it: the test AUC, logloss, ... it reports (rows split
     between the ranks, AUC from the gathered scores) equal a single-process evaluation of its

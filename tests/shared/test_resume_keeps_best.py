@@ -15,41 +15,55 @@ from recforge.callbacks.fresh_monitor import ModelCheckpoint
 
 
 class Scripted(L.LightningModule):
-    """One parameter, one batch per epoch; ``val/score`` at epoch e is ``scores[e]``."""
+    """One parameter, ``batches`` batches per epoch (batch k pulls it towards k + 1, so the weight
+    depends on which batches trained in which order); ``val/score`` at epoch e is ``scores[e]``,
+    not logged where that is None (a partial validation pass, as ``RecTask`` records it)."""
 
-    def __init__(self, scores: list[float]):
+    def __init__(self, scores: list[float | None], batches: int = 1):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.scores = scores
+        self.batches = batches
+        self.last_validation_logged: set[str] = set()
 
     def training_step(self, batch, batch_idx):
         return (self.w - batch[0]).pow(2).sum()
 
     def validation_step(self, batch, batch_idx):
-        self.log("val/score", self.scores[self.current_epoch])
+        score = self.scores[self.current_epoch]
+        self.last_validation_logged = set() if score is None else {"val/score"}
+        if score is not None:
+            self.log("val/score", score)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        return [torch.ones(1)]
+        # one loader (a list of tensors would be read as a list of loaders)
+        return torch.utils.data.DataLoader(torch.arange(1.0, self.batches + 1).view(-1, 1), batch_size=None)
 
     def val_dataloader(self):
         return [torch.ones(1)]
 
 
-def _fit(scores: list[float], epochs: int, dirpath: Path, mode: str = "max", ckpt_path: Path | None = None):
+def _fit(scores: list[float | None], epochs: int, dirpath: Path, mode: str = "max", ckpt_path: Path | None = None,
+         batches: int = 1, max_steps: int = -1) -> ModelCheckpoint:
     callback = ModelCheckpoint(dirpath=dirpath, filename="epoch_{epoch:03d}", monitor="val/score",
                                mode=mode, save_last=True, save_top_k=1, auto_insert_metric_name=False)
-    trainer = L.Trainer(max_epochs=epochs, callbacks=[callback], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu")
+    trainer = L.Trainer(max_epochs=epochs, max_steps=max_steps, callbacks=[callback], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        accelerator="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "The dirpath has changed ..." among them
         warnings.filterwarnings("ignore", message=".*(num_workers|does not have many workers|GPU available|TPU available|"
                                 "HPU available|LitLogger|log_every_n_steps|train_dataloader|val_dataloader|"
                                 "smaller than the logging interval|Checkpoint directory .* exists).*")
-        trainer.fit(Scripted(scores), ckpt_path=ckpt_path)
+        trainer.fit(Scripted(scores, batches), ckpt_path=ckpt_path)
     return callback
+
+
+def _saved(path: Path) -> dict:
+    return torch.load(path, weights_only=False, map_location="cpu")
 
 
 @pytest.mark.parametrize("mode,scores,best_epoch", [
@@ -94,3 +108,31 @@ def test_resuming_into_the_same_directory_is_lightnings_own(tmp_path: Path):
     resumed = _fit(scores, 5, tmp_path / "a", ckpt_path=tmp_path / "a" / "last.ckpt")
     assert resumed.best_model_score == pytest.approx(0.9)
     assert resumed.best_model_path == str(tmp_path / "a" / "epoch_001.ckpt")
+
+
+def test_last_is_the_final_epoch_when_the_later_epochs_do_not_improve(tmp_path: Path):
+    # Lightning 2.6 alone writes last.ckpt only beside a new best: here it stayed at epoch 0
+    callback = _fit([0.9, 0.5, 0.4], 3, tmp_path / "a")
+    last = _saved(tmp_path / "a" / "last.ckpt")
+    assert (last["epoch"], last["global_step"]) == (2, 3)
+    assert Path(callback.best_model_path).name == "epoch_000.ckpt"
+
+
+def test_a_step_limit_inside_an_epoch_leaves_its_last_step_in_last(tmp_path: Path):
+    # three batches an epoch; the limit of 4 stops after the first batch of epoch 1 (that the
+    # resumed run then trains the rest of the epoch is tests/dlrm/test_dlrm_train.py's)
+    _fit([0.5, 0.6, 0.7], 3, tmp_path / "a", batches=3, max_steps=4)
+    last = _saved(tmp_path / "a" / "last.ckpt")
+    assert (last["epoch"], last["global_step"]) == (1, 4)
+    assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == 1
+
+
+def test_a_resume_onto_a_pass_without_the_monitor_keeps_the_last_and_the_best(tmp_path: Path):
+    # epoch 1's validation logs no val/score (a partial pass): the resumed run used to stop on
+    # Lightning's "could not find the monitored key"
+    scores = [0.5, None, 0.7]
+    _fit(scores, 1, tmp_path / "a")
+    resumed = _fit(scores, 3, tmp_path / "b", ckpt_path=tmp_path / "a" / "last.ckpt")
+    assert resumed.best_model_score == pytest.approx(0.7)
+    assert Path(resumed.best_model_path).name == "epoch_002.ckpt"
+    assert _saved(tmp_path / "b" / "last.ckpt")["epoch"] == 2

@@ -41,11 +41,40 @@ def logged_by_last_validation(monitor: str | None, pl_module: L.LightningModule)
 
 class ModelCheckpoint(callbacks.ModelCheckpoint):
     """:class:`lightning.pytorch.callbacks.ModelCheckpoint` that never picks a checkpoint on a pass
-    that did not log its monitor."""
+    that did not log its monitor, and whose ``last.ckpt`` (``save_last``) is the run's latest state.
+
+    Lightning 2.6 writes ``last.ckpt`` only beside a new top-k checkpoint, so the epochs after the
+    best were in no file: a resume went back to the best epoch, and ``src/eval.py`` of ``last.ckpt``
+    tested it. Here ``last.ckpt`` is written at every point Lightning would checkpoint (an epoch's
+    end, a validation inside one), at the update that reaches ``trainer.max_steps`` (inside the
+    epoch: resumed with a larger limit, the run goes on as if uninterrupted), and at the end of
+    training if anything trained since (a ``trainer.max_time`` stop)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if 0 < trainer.max_steps <= trainer.global_step:
+            self._save_last(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if logged_by_last_validation(self.monitor, pl_module):
+            super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_last(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if logged_by_last_validation(self.monitor, pl_module):
             super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_last(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._save_last(trainer)
+
+    def _save_last(self, trainer: L.Trainer) -> None:
+        # skipped in a sanity check, under fast_dev_run, and where this step is saved already
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         old_dir = state_dict.get("dirpath")
