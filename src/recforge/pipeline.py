@@ -18,7 +18,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import recforge.utils.resolvers  # noqa: F401 - registers the config resolvers
 from recforge.callbacks.run_config import RunConfigInCheckpoint
@@ -32,6 +32,7 @@ from recforge.checkpoints import (
     check_resumable,
     check_weights_fit,
     checkpoint_path,
+    command_line_keys,
     consolidate_checkpoint,
     is_distributed_checkpoint,
     load_checkpoint,
@@ -297,9 +298,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             test_ckpt = ckpt.best_model_path or ckpt.last_model_path or None
             if ckpt.best_model_score is not None and ckpt.monitor:
                 metrics[f"{ckpt.monitor}_best"] = float(ckpt.best_model_score)
+        if not do_fit and resume is not None:
+            test_ckpt = str(resume)  # train=false ckpt_path=...: the checkpoint is what is tested
         if do_test:
-            if test_ckpt is None and do_fit:
-                log.warning("no checkpoint was saved: testing the weights as they are")
+            if test_ckpt is None:
+                log.warning("no checkpoint was saved: testing the weights as they are" if do_fit else
+                            "train=false without ckpt_path: testing the model's initial weights")
             trainer.test(task, datamodule=datamodule, ckpt_path=test_ckpt)
             metrics.update(_scalar_metrics(trainer.callback_metrics))
             metrics["test_checkpoint"] = test_ckpt
@@ -320,6 +324,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = checkpoint_path(cfg)
     run_cfg = run_config_for(ckpt_path, cfg.get("run_config"))
     cfg = with_run_experiment(cfg, run_cfg)
+    if cfg.get("evaluation") is not None and "evaluation.monitor" not in command_line_keys():
+        # what the run's checkpointing followed: nothing follows it here, and other cut-offs or
+        # metrics on the command line (evaluation.ks=[5,50]) need not log it
+        with open_dict(cfg):
+            cfg.evaluation.monitor = None
     check_config(cfg)
     settings = _process_settings(cfg)
     _seed(cfg)
