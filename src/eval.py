@@ -1,11 +1,13 @@
 """Evaluate a checkpoint on the test split: python src/eval.py ckpt_path=outputs/.../last.ckpt"""
+import sys
+
 from recforge.utils.startup import imports_without_gc
 
 with imports_without_gc():  # ~0.8 s less start-up
     import hydra
     from omegaconf import DictConfig
 
-    from recforge.cli import one_line_errors
+    from recforge.cli import one_line_errors, onto_the_run
     from recforge.pipeline import evaluate
 
 
@@ -15,4 +17,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = onto_the_run(sys.argv)  # a resume's keys go over its run's experiment
     main()

@@ -1,11 +1,13 @@
 """Train a model: python src/train.py [group=option ...] [key=value ...] (see conf/train.yaml)."""
+import sys
+
 from recforge.utils.startup import imports_without_gc
 
 with imports_without_gc():  # ~0.8 s less start-up
     import hydra
     from omegaconf import DictConfig
 
-    from recforge.cli import one_line_errors
+    from recforge.cli import one_line_errors, onto_the_run
     from recforge.pipeline import metric_value, train
 
 
@@ -20,4 +22,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv = onto_the_run(sys.argv)  # a resume's keys go over its run's experiment
     main()

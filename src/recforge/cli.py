@@ -32,6 +32,29 @@ def one_line_errors(run: Callable[[], T]) -> T:
         raise SystemExit(f"recforge: {error}") from None
 
 
+def onto_the_run(argv: list[str]) -> list[str]:
+    """``argv`` with each dotted key of the experiment (``data.multi_hot=mlperf``) made
+    ``++data.multi_hot=mlperf`` when the command names a checkpoint (``ckpt_path=...``).
+
+    A resume or an evaluation takes its run's data, model, task, ... and applies the command
+    line's keys over them (:func:`recforge.checkpoints.with_run_experiment`). Hydra first composes
+    the default experiment, though, and refuses a key that only the run's family has (a DLRM
+    run's ``data.multi_hot`` over the default GRU4Rec data); ``++`` lets it through to that step,
+    and the config check still refuses, in one line, a key the run's section does not take.
+    """
+    from recforge.checkpoints import EXPERIMENT_KEYS
+
+    if not any(arg.startswith("ckpt_path=") and arg != "ckpt_path=null" for arg in argv[1:]):
+        return argv
+    out = argv[:1]
+    for arg in argv[1:]:
+        key = arg.split("=", 1)[0]
+        if "=" in arg and "." in key and key.split(".", 1)[0] in EXPERIMENT_KEYS:
+            arg = f"++{arg}"
+        out.append(arg)
+    return out
+
+
 def _to_log_files(message: str) -> None:
     """The refusal into the run's log file (Hydra's ``<task>.log``) too, so a run directory left by
     a refused run says why; not to the console, where the exit prints it once."""

@@ -170,6 +170,10 @@ def test_eval_reproduces_training_test_metrics(make_cfg):
     evaluated = evaluate(make_cfg(f"ckpt_path={ckpt}", name="eval", run="eval"))
     assert _test_metrics(evaluated) == pytest.approx(_test_metrics(trained), abs=1e-7)
     assert len(_test_metrics(evaluated)) == 8
+    # train=false with the checkpoint tests it as src/eval.py does (it tested the initial weights)
+    tested = train(make_cfg("train=false", f"ckpt_path={ckpt}", run="test-only"))
+    assert tested["test_checkpoint"] == ckpt
+    assert _test_metrics(tested) == pytest.approx(_test_metrics(trained), abs=1e-7)
 
 
 def test_eval_overrides_apply_on_top_of_the_run_config(make_cfg):
@@ -182,6 +186,11 @@ def test_eval_overrides_apply_on_top_of_the_run_config(make_cfg):
     optimistic = evaluate(eval_cfg)
     # Optimistic ties can only rank targets higher than conservative ones.
     assert optimistic["test/recall@20"] >= trained["test/recall@20"]
+    # other cut-offs: the run's monitor (val/mrr@20), which nothing follows in an evaluation, is
+    # not asked for (it refused them, "not a metric this evaluation logs")
+    cut = evaluate(make_cfg(f"ckpt_path={trained['test_checkpoint']}", "evaluation.ks=[5,50]", name="eval", run="k"))
+    assert sorted(_test_metrics(cut)) == ["test/mrr@5", "test/mrr@50", "test/recall@5", "test/recall@50"]
+    assert cut["test/recall@5"] == pytest.approx(trained["test/recall@5"], abs=1e-7)
 
 
 def test_wandb_offline_writes_a_run(make_cfg, monkeypatch):

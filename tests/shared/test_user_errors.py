@@ -234,6 +234,26 @@ def test_resume_of_a_finished_run_says_to_raise_max_epochs(tmp_path, rsc15_run):
     _refused(cfg, r"has trained 1 epoch\(s\) and trainer\.max_epochs=1: nothing left to train")
 
 
+def test_a_resume_or_eval_takes_keys_only_the_runs_family_has(tmp_path):
+    """``src/eval.py ckpt_path=<a DLRM run> data.generator.n_rows=8000``: Hydra composes the default
+    (GRU4Rec) experiment first, which has no such key and refused it; the command passes it as
+    ``++`` (recforge.cli.onto_the_run), so it lands on the run's own section, as if the run's
+    model had been named. A key the run's section does not take is still refused in one line."""
+    from recforge.cli import onto_the_run
+
+    trained = train(_cfg(tmp_path, "model=dlrm", "data.generator.n_rows=6000", run="dlrm"))
+    ckpt = tmp_path / "dlrm" / "checkpoints" / "last.ckpt"
+    command = onto_the_run(["src/eval.py", f"ckpt_path={ckpt}", "data.generator.n_rows=8000"])[1:]
+    assert command == [f"ckpt_path={ckpt}", "++data.generator.n_rows=8000"]
+    got = evaluate(_cfg(tmp_path, *command, name="eval", run="onto"))
+    named = evaluate(_cfg(tmp_path, "model=dlrm", f"ckpt_path={ckpt}", "data.generator.n_rows=8000", name="eval",
+                          run="named"))
+    assert got["test/auc"] == named["test/auc"] != trained["test/auc"]  # the other rows were tested
+    typo = onto_the_run(["src/eval.py", f"ckpt_path={ckpt}", "data.generator.n_rowz=8000"])[1:]
+    _refused(_cfg(tmp_path, *typo, name="eval", run="typo"), r"^data\.generator: .*unexpected keyword argument .n_rowz.$",
+             fn=evaluate)
+
+
 def test_eval_tells_where_it_wrote(tmp_path, rsc15_run, caplog):
     with caplog.at_level(logging.INFO, logger="recforge"):
         evaluate(_cfg(tmp_path, f"ckpt_path={rsc15_run}", name="eval", run="eval"))
