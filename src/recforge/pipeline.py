@@ -165,6 +165,21 @@ def _check_stops(cfg: DictConfig, callbacks: list[L.Callback]) -> None:
     )
 
 
+def _check_monitors(cfg: DictConfig, evaluation: Any) -> None:
+    """Refuse, before training, a callback that follows a figure no validation pass logs (a test
+    figure, a misspelt ``optimized_metric``): Lightning would stop at the first epoch's end."""
+    logged = [name for name in evaluation.logged_names() if not name.startswith("test/")]
+    for name, node in (cfg.get("callbacks") or {}).items():
+        monitor = node.get("monitor") if isinstance(node, DictConfig) else None
+        if monitor is None or monitor in logged:
+            continue
+        source = " (optimized_metric)" if monitor == cfg.get("optimized_metric") else ""
+        raise UserInputError(
+            f"callbacks.{name}.monitor={monitor}{source}: not a figure validation logs while training; "
+            f"it logs {', '.join(logged)}"
+        )
+
+
 def _check_manual_optimization(cfg: DictConfig) -> None:
     """Refuse the Trainer's own accumulation and clipping in one line each: recforge's tasks take
     their optimizer steps themselves (Lightning's manual optimisation), which has neither."""
@@ -276,6 +291,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         datamodule.check_trainable(task.min_batch_rows)
         _check_stops(cfg, callbacks)
         _check_manual_optimization(cfg)
+        if has_validation:
+            _check_monitors(cfg, task.evaluation)
     if resume is not None:
         check_resumable(task, resume, cfg, run_cfg, do_fit)
     # every value, file and combination has passed: a refused run's one line is all it prints

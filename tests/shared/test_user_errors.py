@@ -262,6 +262,19 @@ def test_eval_tells_where_it_wrote(tmp_path, rsc15_run, caplog):
     assert f"metrics: {written}" in [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize("override,message", [
+    ("evaluation.monitor=test/mrr@20",
+     r"^callbacks\.model_checkpoint\.monitor=test/mrr@20 \(optimized_metric\): not a figure validation logs "
+     r"while training; it logs val/recall@1, "),
+    ("optimized_metric=val/mrr@21", r"^callbacks\.model_checkpoint\.monitor=val/mrr@21 \(optimized_metric\): "),
+    ("callbacks.early_stopping.monitor=val/auc", r"^callbacks\.early_stopping\.monitor=val/auc: not a figure "),
+])
+def test_a_monitor_no_validation_logs_is_refused_at_start(tmp_path, override, message):
+    # the default synthetic sessions have a validation split, so both callbacks follow the
+    # monitor; Lightning alone stopped after the first epoch ("could not find the monitored key")
+    _refused(_cfg(tmp_path, override), message)
+
+
 # ---------------------------------------------------------------- what a run says
 def test_optimized_metric_is_only_required_by_an_optimising_sweeper(tmp_path, caplog):
     _cfg(tmp_path)  # a plain run's Hydra config: the basic sweeper
