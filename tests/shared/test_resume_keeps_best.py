@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from recforge.callbacks.fresh_monitor import ModelCheckpoint
+from recforge.callbacks.fresh_monitor import EarlyStopping, ModelCheckpoint
 
 
 class Scripted(L.LightningModule):
@@ -47,10 +47,11 @@ class Scripted(L.LightningModule):
 
 
 def _fit(scores: list[float | None], epochs: int, dirpath: Path, mode: str = "max", ckpt_path: Path | None = None,
-         batches: int = 1, max_steps: int = -1) -> ModelCheckpoint:
+         batches: int = 1, max_steps: int = -1, patience: int | None = None) -> ModelCheckpoint:
     callback = ModelCheckpoint(dirpath=dirpath, filename="epoch_{epoch:03d}", monitor="val/score",
                                mode=mode, save_last=True, save_top_k=1, auto_insert_metric_name=False)
-    trainer = L.Trainer(max_epochs=epochs, max_steps=max_steps, callbacks=[callback], logger=False,
+    stops = [] if patience is None else [EarlyStopping(monitor="val/score", mode=mode, patience=patience)]
+    trainer = L.Trainer(max_epochs=epochs, max_steps=max_steps, callbacks=[callback, *stops], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         accelerator="cpu")
     with warnings.catch_warnings():
@@ -136,3 +137,13 @@ def test_a_resume_onto_a_pass_without_the_monitor_keeps_the_last_and_the_best(tm
     assert resumed.best_model_score == pytest.approx(0.7)
     assert Path(resumed.best_model_path).name == "epoch_002.ckpt"
     assert _saved(tmp_path / "b" / "last.ckpt")["epoch"] == 2
+
+
+def test_a_resumed_run_keeps_the_patience_it_was_given(tmp_path: Path):
+    scores = [0.9, 0.5, 0.4, 0.3, 0.95]
+    _fit(scores, 5, tmp_path / "a", patience=1)  # stops after epoch 1
+    assert _saved(tmp_path / "a" / "last.ckpt")["epoch"] == 1
+    # Lightning restored patience 1 from the checkpoint and stopped again after epoch 2
+    resumed = _fit(scores, 5, tmp_path / "b", patience=5, ckpt_path=tmp_path / "a" / "last.ckpt")
+    assert _saved(tmp_path / "b" / "last.ckpt")["epoch"] == 4
+    assert resumed.best_model_score == pytest.approx(0.95)

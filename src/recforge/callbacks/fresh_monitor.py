@@ -140,3 +140,13 @@ class EarlyStopping(callbacks.EarlyStopping):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if logged_by_last_validation(self.monitor, pl_module):
             super().on_train_epoch_end(trainer, pl_module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores the checkpoint's patience too; a resumed run keeps the one it was
+        # given (callbacks.early_stopping.patience=5 lets a stopped run go on)
+        patience = self.patience
+        super().load_state_dict(state_dict)
+        if self.patience != patience:
+            log.info("early stopping: patience %d (the checkpoint's was %d), %d pass(es) without improvement so far",
+                     patience, self.patience, self.wait_count)
+        self.patience = patience
