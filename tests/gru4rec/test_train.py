@@ -164,6 +164,32 @@ def test_a_step_limit_inside_a_group_stops_at_that_update(make_cfg):
         assert torch.equal(value, runs[8][1]["state_dict"][name]), name
 
 
+def test_a_step_limit_inside_a_group_leaves_a_last_that_resumes_as_if_uninterrupted(make_cfg):
+    """With 8 steps a Lightning batch, trainer.max_steps 10 updates into epoch 1 cuts its second
+    group after 2 steps. last.ckpt holds that update and says so, and the resumed run trains the
+    group's other 6 steps first: its final weights are the uninterrupted run's, bit for bit (it
+    skipped the whole group before)."""
+    fixed = ["data.steps_per_batch=8", "trainer.max_epochs=2", "~callbacks.early_stopping"]
+
+    def last(cfg) -> dict:
+        return torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
+
+    straight = make_cfg(*fixed, run="straight")
+    train(straight)
+    want = last(straight)
+    per_epoch = want["global_step"] // 2
+    stopped = make_cfg(*fixed, f"trainer.max_steps={per_epoch + 10}", run="stopped")
+    train(stopped)
+    assert last(stopped)["global_step"] == per_epoch + 10
+    resumed = make_cfg(*fixed, f"ckpt_path={Path(stopped.paths.output_dir) / 'checkpoints' / 'last.ckpt'}",
+                       run="resumed")
+    train(resumed)
+    got = last(resumed)
+    assert got["global_step"] == want["global_step"]
+    for name, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], value), name
+
+
 def test_eval_reproduces_training_test_metrics(make_cfg):
     trained = train(make_cfg())
     ckpt = trained["test_checkpoint"]

@@ -145,7 +145,7 @@ class Order:
 
 
 def test_the_loader_orders_by_the_fits_epoch_and_skips_the_trained_batches_once():
-    progress = [(4, 0)]
+    progress = [(4, 0, 0)]
     sampler = Order()
     loader = ResumesInsideEpoch(list(range(10)), lambda: progress[0], sampler)
     assert len(loader) == 10 and loader.sampler is sampler
@@ -155,8 +155,8 @@ def test_the_loader_orders_by_the_fits_epoch_and_skips_the_trained_batches_once(
     del passes
     assert list(loader) == [6, 7, 8, 9] and sampler.epochs == [4]
     assert list(loader) == list(range(10)) and sampler.epochs == [4, 4]
-    progress[0] = (5, 3)
-    assert loader.state_dict() == {"epoch": 5, "batches": 3}
+    progress[0] = (5, 3, 0)
+    assert loader.state_dict() == {"epoch": 5, "batches": 3, "updates": 0}
     assert list(loader) == list(range(10)) and sampler.epochs == [4, 4, 5]
 
 

@@ -59,13 +59,20 @@ class RecDataModule(L.LightningDataModule):
             return int(share["rank"]), int(share["num_replicas"])
         return trainer.global_rank, trainer.world_size
 
-    def fit_progress(self) -> tuple[int, int] | None:
-        """``(epoch, batches whose training step ran in it)`` of the fit, or None outside one."""
+    def fit_progress(self) -> tuple[int, int, int] | None:
+        """``(epoch, batches trained whole in it, updates trained of the next one)`` of the fit, or
+        None outside one. A batch counts as trained once its training step ran, unless the task
+        says it cut the batch short (``batch_cut_after``: a step limit inside a batch of several
+        updates); then it is the next one, with that many updates trained."""
         trainer = self.trainer
         if not isinstance(trainer, L.Trainer):
             return None  # loaders iterated by hand (a benchmark, a test's stand-in trainer)
         loop = trainer.fit_loop
-        return int(loop.epoch_progress.current.processed), int(loop.epoch_loop.batch_progress.current.processed)
+        epoch, batches = int(loop.epoch_progress.current.processed), int(loop.epoch_loop.batch_progress.current.processed)
+        cut = getattr(trainer.lightning_module, "batch_cut_after", None)
+        if cut and batches > 0:
+            return epoch, batches - 1, int(cut)
+        return epoch, batches, 0
 
     def resumable(self, batches: Batches, sampler: EpochOrdered | None = None) -> ResumesInsideEpoch:
         """The training loader over ``batches``, whose order must be a function of (seed, epoch):

@@ -80,6 +80,11 @@ class SessionSteps:
     def n_steps(self) -> int:
         return len(self.steps)
 
+    def after(self, updates: int, then: SessionSteps | None = None) -> SessionSteps:
+        """The steps after the first ``updates``, followed by ``then``'s (a resume inside a group
+        that a step limit cut short: data.resumable)."""
+        return SessionSteps(self.steps[updates:] + (then.steps if then is not None else []))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SessionSteps:
         """The steps on ``device`` (itself when already there)."""
         if not self.steps or self.steps[0].inputs.device == torch.device(device):

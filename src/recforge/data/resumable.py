@@ -6,6 +6,11 @@ starts the epoch over. A loader with ``state_dict`` / ``load_state_dict`` has it
 the checkpoint by Lightning: :class:`ResumesInsideEpoch` records (epoch, batches trained) there,
 and the resumed run's first pass skips that many batches of the same epoch's order. This is exact
 when the order is a function of (seed, epoch), which the data modules that use it guarantee.
+
+A batch of several updates (GRU4Rec's ``data.steps_per_batch``) may have trained only its first
+ones, when ``trainer.max_steps`` ended the run inside it: the state then says so, and the resumed
+pass starts with that batch's remaining updates joined to the next batch's (``after(k, then)`` of
+the batch type).
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from typing import Protocol
 
 __all__ = ["Batches", "EpochOrdered", "ResumesInsideEpoch"]
 
-Progress = Callable[[], "tuple[int, int] | None"]
+# (epoch, batches trained whole in it, updates trained of the next batch), or None outside a fit
+Progress = Callable[[], "tuple[int, int, int] | None"]
 
 
 class EpochOrdered(Protocol):
@@ -63,16 +69,31 @@ class ResumesInsideEpoch:
 
     def state_dict(self) -> dict:
         progress = self._progress() if self._progress is not None else None
-        return {} if progress is None else {"epoch": progress[0], "batches": progress[1]}
+        if progress is None:
+            return {}
+        return {"epoch": progress[0], "batches": progress[1], "updates": progress[2]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "epoch" in state_dict:
-            self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
+            self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]), int(state_dict.get("updates", 0)))
 
     def skip_trained(self, batches: Iterator, epoch: int | None, n_batches: int) -> Iterator:
-        """``batches`` of ``epoch`` (``n_batches`` of them) without those a loaded state trained."""
+        """``batches`` of ``epoch`` (``n_batches`` of them) without what a loaded state trained."""
         resume, self._resume_at = self._resume_at, None
-        if resume is None or epoch is None or resume[0] != epoch or not 0 < resume[1] < n_batches:
+        if resume is None or epoch is None or resume[0] != epoch:
+            return batches
+        _, whole, updates = resume
+        if not 0 < whole + (updates > 0) or whole >= n_batches:
             return batches
         # reading the skipped batches costs far less than training on them
-        return itertools.islice(batches, resume[1], None)
+        rest = itertools.islice(batches, whole, None)
+        return _after_first(rest, updates) if updates else rest
+
+
+def _after_first(batches: Iterator, updates: int) -> Iterator:
+    """``batches``, the first without its first ``updates`` updates and joined to the second:
+    Lightning counts the cut batch as trained, so the pass must hand it one batch fewer."""
+    first = next(batches, None)
+    if first is not None:
+        yield first.after(updates, then=next(batches, None))
+    yield from batches

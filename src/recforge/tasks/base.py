@@ -89,6 +89,10 @@ class RecTask(L.LightningModule):
         # the first pass: a step limit (trainer.max_steps) may end training before any, and
         # early stopping must not then ask for a monitor no pass has logged
         self.last_validation_logged: set[str] = set()
+        # of the last training batch, the updates that ran when a step limit (trainer.max_steps)
+        # cut a batch of several short; None when it trained whole. The training loader's resume
+        # state reads it (recforge.data.base.DataModule.fit_progress)
+        self.batch_cut_after: int | None = None
 
     @property
     def validation_sample(self) -> ValidationSample | None:

@@ -134,12 +134,15 @@ class SessionNextItemTask(RecTask):
     def training_step(self, batch: SessionStep | SessionSteps, batch_idx: int) -> torch.Tensor:
         # A grouped batch (data.steps_per_batch > 1) is several steps, each with its own update.
         steps = batch.steps if isinstance(batch, SessionSteps) else (batch,)
+        self.batch_cut_after = None
         left = self._updates_left()
         if left is not None and left < len(steps):
             # trainer.max_steps counts updates, and Lightning checks it between batches only: the
             # group ends at the limit and keeps just the steps that ran, which is what the
-            # callbacks after this (events counted, logged) then read
+            # callbacks after this (events counted, logged) then read; a checkpoint of this step
+            # resumes with the group's other steps (data.resumable)
             steps = batch.steps = batch.steps[:left]
+            self.batch_cut_after = left
         for step in steps:
             loss = self._train_step(step)
         self.log_step_loss(loss, batch_idx, steps[-1].size)
