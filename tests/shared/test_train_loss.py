@@ -35,9 +35,9 @@ def _optimised_loss(cfg):
     seen = []
     optimize = task.optimize
 
-    def recording(loss, step=True):
+    def recording(loss):
         seen.append(loss.detach().clone())
-        return optimize(loss, step)
+        return optimize(loss)
 
     task.optimize = recording
     first = FirstUpdate()
