@@ -15,7 +15,8 @@ class SaveRankWeights(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        weights = {name: value.detach().cpu().clone() for name, value in pl_module.state_dict().items()}
+        weights = {name: value.detach().cpu().clone() for name, value in pl_module.state_dict().items()
+                   if isinstance(value, torch.Tensor)}  # not a module's extra state (a generator's position)
         torch.save(weights, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -272,12 +272,15 @@ def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     assert 0.4 * total < trained["train/events"] < 0.6 * total
 
 
-def test_ddp_ranks_past_a_padded_epoch_stay_equal_and_stop_together(make_cfg, tmp_path, data_dir):
+def test_ddp_ranks_past_a_padded_epoch_stay_equal_stop_together_and_resume_exactly(make_cfg, tmp_path, data_dir):
     """The rank with fewer steps pads to the other's count. Its padding steps apply the averaged
     update the other rank applies, so the two replicas end equal to the bit (before: up to 0.07
     apart after two epochs); they are counted, so both ranks agree on trainer.global_step, and a
     limit 10 updates into the second epoch stops both (uncounted, one rank stopped while the other
-    waited in its all-reduce)."""
+    waited in its all-reduce). That limit cuts a group of 8 steps after 2; resumed, each rank
+    takes back its own sessions in flight and negatives' stream (rank 0 alone writes the
+    checkpoint) and the group's other steps: both ranks end as in the uninterrupted run, bit for
+    bit (before, rank 1 took rank 0's sessions and stream)."""
     from conftest import CHEAP, REPO_ROOT, compose_config, shrinks_for
     from rank_weights import load_rank_weights
 
@@ -290,26 +293,38 @@ def test_ddp_ranks_past_a_padded_epoch_stay_equal_and_stop_together(make_cfg, tm
              for r in range(2)]
     assert steps[0] != steps[1]  # one rank pads
     limit = max(steps) + 10
-    log_dir = tmp_path / "ddp"
-    cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *sizes, *CHEAP, "trainer.max_epochs=2",
-           f"trainer.max_steps={limit}", f"paths.log_dir={log_dir}", f"paths.data_dir={data_dir}",
-           "+callbacks.rank_weights._target_=rank_weights.SaveRankWeights",
-           f"+callbacks.rank_weights.out={tmp_path / 'weights'}"]
     tests_dir = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
-    done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, _rank_failures(done.stderr)
-    (run_dir,) = (log_dir / "train" / "runs").iterdir()
-    trained = json.loads((run_dir / "metrics.json").read_text())
+
+    def run(name: str, *extra: str) -> Path:
+        cmd = [sys.executable, "src/train.py", "hardware=ddp_cpu", *sizes, *CHEAP, "trainer.max_epochs=2",
+               "~callbacks.early_stopping", f"paths.log_dir={tmp_path / name}", f"paths.data_dir={data_dir}",
+               "+callbacks.rank_weights._target_=rank_weights.SaveRankWeights",
+               f"+callbacks.rank_weights.out={tmp_path / name / 'weights'}", *extra]
+        done = run_child(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, _rank_failures(done.stderr)
+        (run_dir,) = (tmp_path / name / "train" / "runs").iterdir()
+        return run_dir
+
+    stopped = run("stopped", f"trainer.max_steps={limit}")
+    trained = json.loads((stopped / "metrics.json").read_text())
     # rank 0 trained 10 updates of the second epoch, then both ranks stopped (no all-reduce left
     # waiting: the run ended)
     assert trained["epochs"] == 2
     assert 9 * 32 < trained["train/events"] <= 10 * 32
-    rank0, rank1 = load_rank_weights(tmp_path / "weights", world=2)
+    rank0, rank1 = load_rank_weights(tmp_path / "stopped" / "weights", world=2)
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         torch.testing.assert_close(rank1[name], rank0[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    run("straight", "test=false")
+    run("resumed", "test=false", f"ckpt_path={stopped / 'checkpoints' / 'last.ckpt'}")
+    want = load_rank_weights(tmp_path / "straight" / "weights", world=2)
+    got = load_rank_weights(tmp_path / "resumed" / "weights", world=2)
+    for rank in range(2):
+        for name in want[rank]:
+            torch.testing.assert_close(got[rank][name], want[rank][name], rtol=0, atol=0,
+                                       msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
 
 
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam_rowwise_adagrad"])

@@ -282,10 +282,66 @@ class RecTask(L.LightningModule):
         for name, obj in self._lazy_objects.items():
             if obj is not None:
                 checkpoint[name] = obj.state_dict()
+        self._gather_rank_states(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._take_own_rank_state(checkpoint)
         self._pending_states = {n: checkpoint[n] for n in self._lazy_factories if n in checkpoint}
         self._lazy_objects.clear()
+
+    # Under DDP each rank draws its own negatives (a stream per rank: the samplers registered
+    # lazily, the losses' generators in their "_extra_state") and GRU4Rec's ranks hold their own
+    # sessions in flight (``rank_local_keys``), while rank 0 alone writes the checkpoint. Every
+    # rank's entries travel in it, gathered as it is saved (every rank takes part in a save), and
+    # a resume on as many ranks gives each its own back. On another number of ranks (more than
+    # one) each rank restarts its own stream from (seed, rank), as a fresh run does: Lightning
+    # alone gave every rank rank 0's, so they all drew the same negatives.
+    rank_local_keys: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def has_own_rank_state(self) -> bool:
+        """Whether the checkpoint this run resumed from gave this rank its own entries."""
+        return getattr(self, "_own_rank_state", False)
+
+    def _gather_rank_states(self, checkpoint: dict) -> None:
+        trainer = self._trainer
+        extra = [key for key in checkpoint.get("state_dict", {}) if key.endswith("_extra_state")]
+        if trainer is None or trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return
+        if not (self._lazy_factories or self.rank_local_keys or extra):
+            return  # the same on every rank (the model decides): no rank skips the gather alone
+        mine = {"entries": {k: checkpoint[k] for k in (*self._lazy_factories, *self.rank_local_keys) if k in checkpoint},
+                "state_dict": {k: checkpoint["state_dict"][k] for k in extra}}
+        states: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(states, mine)
+        checkpoint["rank_states"] = states
+
+    def _take_own_rank_state(self, checkpoint: dict) -> None:
+        states, trainer = checkpoint.get("rank_states"), self._trainer
+        self._own_rank_state = False
+        if trainer is None or trainer.world_size == 1:
+            return  # one process continues with rank 0's, which the checkpoint holds
+        if states is None or trainer.world_size != len(states):
+            extra = [key for key in checkpoint.get("state_dict", {}) if key.endswith("_extra_state")]
+            local = [key for key in (*self._lazy_factories, *self.rank_local_keys) if key in checkpoint]
+            if not (extra or local):
+                return  # nothing a rank holds of its own (DLRM)
+            own = self.state_dict()  # after setup: each stream seeded from (seed, rank)
+            for key in extra:
+                checkpoint["state_dict"][key] = own[key]
+            for key in local:
+                checkpoint.pop(key)
+            if trainer.is_global_zero:
+                log.info("the checkpoint holds the negatives' streams of %s process(es), not of these %d: "
+                         "each rank restarts its own", len(states) if states else 1, trainer.world_size)
+            return
+        mine = states[trainer.global_rank]
+        checkpoint.update(mine["entries"])
+        for key in self.rank_local_keys:
+            if key not in mine["entries"]:
+                checkpoint.pop(key, None)  # this rank had none when it was saved
+        checkpoint["state_dict"].update(mine["state_dict"])
+        self._own_rank_state = True
 
     # ------------------------------------------------------------------ evaluation
     def _log_evaluation(self, split: str) -> None:

@@ -115,11 +115,14 @@ class SessionNextItemTask(RecTask):
     # A checkpoint saved inside an epoch carries the hidden state of the sessions in flight; the
     # resumed run's loader skips the steps already trained (data.base's resumable loader) and the
     # next step continues those sessions as an uninterrupted run would. Under DDP each rank holds
-    # other sessions and the checkpoint only rank 0's, so there they restart from zero.
+    # other sessions: every rank's travel in the checkpoint (RecTask.rank_local_keys), and a
+    # resume on another number of ranks restarts them from zero.
+    rank_local_keys = ("train_hidden",)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        super().on_save_checkpoint(checkpoint)
         if self._train_hidden is not None:
             checkpoint["train_hidden"] = [h.detach().cpu() for h in self._train_hidden]
+        super().on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -128,7 +131,7 @@ class SessionNextItemTask(RecTask):
     def on_train_start(self) -> None:
         super().on_train_start()
         resumed, self._resumed_hidden = getattr(self, "_resumed_hidden", None), None
-        if resumed is not None and self.trainer.world_size == 1:
+        if resumed is not None and (self.trainer.world_size == 1 or self.has_own_rank_state):
             self._train_hidden = [h.to(self.device) for h in resumed]
 
     def training_step(self, batch: SessionStep | SessionSteps, batch_idx: int) -> torch.Tensor:

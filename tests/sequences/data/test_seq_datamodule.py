@@ -315,7 +315,7 @@ def rank_module(path: str, rank: int, world: int, **kwargs) -> HistoryDataModule
 def at_progress(dm: HistoryDataModule, epoch: int, batches: int) -> HistoryDataModule:
     """``dm`` as a fit at (epoch, batches trained in it) sees it: what Lightning's loop counts and
     a restored checkpoint restores."""
-    dm.fit_progress = lambda: (epoch, batches)
+    dm.fit_progress = lambda: (epoch, batches, 0)
     return dm
 
 
@@ -372,21 +372,21 @@ def test_a_mid_epoch_resume_gives_the_rest_of_the_uninterrupted_epoch_at_full_us
         whole, after = list(loader([(epoch, 0)])), list(loader([(epoch + 1, 0)]))
         share = -(-len(rank_module(many_users, 0, 1).dataset("train")) // world)
         assert sum(b.size for b in whole) == share and len(whole) == -(-share // 1000) > k
-        progress = [(epoch, 0)]
+        progress = [(epoch, 0, 0)]
         stopped, seen = loader(progress), []
         for batch in stopped:  # the fit stops after k batches: the checkpoint holds the loader's state
             seen.append(batch)
-            progress[0] = (epoch, len(seen))
+            progress[0] = (epoch, len(seen), 0)
             if len(seen) == k:
                 break
         state = stopped.state_dict()
-        assert state == {"epoch": epoch, "batches": k}
-        progress = [(epoch, k)]  # what the restored checkpoint tells the fresh process's loop
+        assert state == {"epoch": epoch, "batches": k, "updates": 0}
+        progress = [(epoch, k, 0)]  # what the restored checkpoint tells the fresh process's loop
         resumed = loader(progress)
         resumed.load_state_dict(state)
         rest = list(resumed)
         assert same_batches(seen + rest, whole) and same_batches(rest, whole[k:])
-        progress[0] = (epoch + 1, 0)  # the next epoch is whole again
+        progress[0] = (epoch + 1, 0, 0)  # the next epoch is whole again
         assert same_batches(list(resumed), after)
 
 
