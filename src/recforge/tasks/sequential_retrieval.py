@@ -38,7 +38,7 @@ class SequentialRetrievalTask(RecTask):
             :class:`recforge.contracts.TimedSequenceModel`.
         loss: a ``SEQUENCE_POSITIONS`` loss (``SampledSoftmax``, ``FullSoftmax``); one with a
             ``manual_seed`` draws its negatives from a stream derived from (seed, DDP rank).
-        optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm: see
+        optimizer, evaluation, scheduler, scheduler_interval, gradient_clip_val, gradient_clip_algorithm: see
             :class:`recforge.tasks.base.RecTask`.
         n_items, item_popularity, max_seq_len: from the data module (catalogue size, counts,
             longest history it hands out).
@@ -60,11 +60,13 @@ class SequentialRetrievalTask(RecTask):
         item_popularity: Sequence[int] | np.ndarray | torch.Tensor,
         max_seq_len: Annotated[int, Range(ge=1)],
         scheduler: Callable | None = None,
+        scheduler_interval: Literal["epoch", "step"] = "epoch",
         seed: int | None = 0,
         gradient_clip_val: Annotated[float, Range(gt=0)] | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
     ) -> None:
-        super().__init__(optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm)
+        super().__init__(optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm,
+                         scheduler_interval=scheduler_interval)
         self.save_hyperparameters(
             ignore=["model", "loss", "optimizer", "scheduler", "evaluation", "item_popularity"], logger=False
         )

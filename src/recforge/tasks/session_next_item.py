@@ -28,7 +28,7 @@ class SessionNextItemTask(RecTask):
     Args:
         model: factory ``(n_items=...) -> nn.Module`` implementing :class:`SessionModel`.
         loss: a sampled next-item loss.
-        optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm: see
+        optimizer, evaluation, scheduler, scheduler_interval, gradient_clip_val, gradient_clip_algorithm: see
             :class:`recforge.tasks.base.RecTask`.
         n_items, item_popularity: the training catalogue (from the data module).
         batch_size: the configured training batch size; losses are normalised by it.
@@ -57,6 +57,7 @@ class SessionNextItemTask(RecTask):
         item_popularity: Sequence[int] | np.ndarray | torch.Tensor,
         batch_size: Annotated[int, Range(ge=1)],
         scheduler: Callable | None = None,
+        scheduler_interval: Literal["epoch", "step"] = "epoch",
         n_sample: Annotated[int, Range(ge=0)] = 0,
         sample_alpha: Annotated[float, Range(ge=0)] = 0.5,
         sample_store_size: Annotated[int, Range(ge=1)] = 10_000_000,
@@ -65,7 +66,8 @@ class SessionNextItemTask(RecTask):
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         fast_step: bool = False,
     ) -> None:
-        super().__init__(optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm)
+        super().__init__(optimizer, evaluation, scheduler, gradient_clip_val, gradient_clip_algorithm,
+                         scheduler_interval=scheduler_interval)
         self.save_hyperparameters(
             ignore=["model", "loss", "optimizer", "scheduler", "evaluation", "item_popularity"], logger=False
         )
