@@ -88,7 +88,7 @@ def test_a_run_stopped_by_a_step_limit_resumes_as_if_uninterrupted(make_cfg):
     """``trainer.max_steps=20`` stops inside epoch 0 (33 batches an epoch), before any validation:
     its last.ckpt holds that step, and resumed without the limit the run ends with the
     uninterrupted run's weights, bit for bit (Lightning alone left no checkpoint of it)."""
-    fixed = [*SMALL, "~callbacks.early_stopping", "trainer.max_epochs=2"]
+    fixed = [*SMALL, "~callbacks.early_stopping", "trainer.max_epochs=2", "test=false"]
     straight = make_cfg(*fixed, run="straight")
     train(straight)
     stopped = make_cfg(*fixed, "trainer.max_steps=20", run="stopped")

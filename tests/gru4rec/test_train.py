@@ -169,7 +169,7 @@ def test_a_step_limit_inside_a_group_leaves_a_last_that_resumes_as_if_uninterrup
     group after 2 steps. last.ckpt holds that update and says so, and the resumed run trains the
     group's other 6 steps first: its final weights are the uninterrupted run's, bit for bit (it
     skipped the whole group before)."""
-    fixed = ["data.steps_per_batch=8", "trainer.max_epochs=2", "~callbacks.early_stopping"]
+    fixed = ["data.steps_per_batch=8", "trainer.max_epochs=2", "~callbacks.early_stopping", "test=false"]
 
     def last(cfg) -> dict:
         return torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
@@ -286,8 +286,9 @@ def test_ddp_ranks_past_a_padded_epoch_stay_equal_stop_together_and_resume_exact
 
     from recforge.data.sessions.parallel import count_steps
 
-    sizes = shrinks_for(compose_config("train", [], tmp_path / "probe", data_dir), [])
-    datamodule, task = build(make_cfg(run="probe"))
+    small = ["data.generator.n_sessions=1000"]  # three 2-process runs: 60 steps an epoch
+    sizes = shrinks_for(compose_config("train", small, tmp_path / "probe", data_dir), small) + small
+    datamodule, task = build(make_cfg(*small, run="probe"))
     arrays = datamodule.split("train")
     steps = [count_steps(arrays.offsets, arrays.partition(r, 2), datamodule.batch_size, task.min_batch_rows)
              for r in range(2)]
@@ -307,7 +308,7 @@ def test_ddp_ranks_past_a_padded_epoch_stay_equal_stop_together_and_resume_exact
         (run_dir,) = (tmp_path / name / "train" / "runs").iterdir()
         return run_dir
 
-    stopped = run("stopped", f"trainer.max_steps={limit}")
+    stopped = run("stopped", f"trainer.max_steps={limit}", "test=false")
     trained = json.loads((stopped / "metrics.json").read_text())
     # rank 0 trained 10 updates of the second epoch, then both ranks stopped (no all-reduce left
     # waiting: the run ended)
@@ -348,6 +349,22 @@ def test_a_dense_sparse_optimizer_updates_the_item_tables_row_wise(optimizer, ma
     assert dense_ids == {id(p) for p in task.parameters()} - set(tables)
     trained = train(cfg)
     assert math.isfinite(trained["test/recall@20"]) and trained["test/recall@20"] > 0
+
+
+@pytest.mark.parametrize("interval,step_size", [("epoch", 1), ("step", 40)])
+def test_a_schedule_from_the_command_line_steps_per_epoch_or_per_update(interval, step_size, make_cfg):
+    """``task.scheduler`` and ``task.scheduler_interval`` are in the task's config (a ``+`` was
+    needed, and the interval was DLRM's only): StepLR halves the rate every ``step_size`` epochs
+    or updates, so the rate at the end is the initial one over 2^(epochs or updates // step_size)."""
+    cfg = make_cfg("task.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:"
+                   f"{step_size},gamma:0.5}}", f"task.scheduler_interval={interval}", "trainer.max_epochs=2",
+                   "trainer.limit_train_batches=20", "~callbacks.early_stopping", run=interval)
+    train(cfg)
+    last = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
+    counted = 2 if interval == "epoch" else last["global_step"]
+    assert counted >= 2 * step_size  # the rate moved at least twice
+    (group,) = last["optimizer_states"][0]["param_groups"]
+    assert group["lr"] == pytest.approx(cfg.optimizer.lr * 0.5 ** (counted // step_size), rel=1e-12)
 
 
 def test_gradient_clipping_of_sparse_gradients_trains(make_cfg):
