@@ -93,6 +93,7 @@ class RecTask(L.LightningModule):
         # cut a batch of several short; None when it trained whole. The training loader's resume
         # state reads it (recforge.data.base.DataModule.fit_progress)
         self.batch_cut_after: int | None = None
+        self._own_rank_state = False  # set when a checkpoint is loaded (see rank_local_keys)
 
     @property
     def validation_sample(self) -> ValidationSample | None:
@@ -301,16 +302,23 @@ class RecTask(L.LightningModule):
     @property
     def has_own_rank_state(self) -> bool:
         """Whether the checkpoint this run resumed from gave this rank its own entries."""
-        return getattr(self, "_own_rank_state", False)
+        return self._own_rank_state
+
+    def _rank_local_names(self, checkpoint: dict) -> tuple[list[str], list[str]]:
+        """The checkpoint's entries and state-dict keys that each rank holds its own of."""
+        entries = [key for key in (*self._lazy_factories, *self.rank_local_keys) if key in checkpoint]
+        extra = [key for key in checkpoint.get("state_dict", {}) if key.endswith("_extra_state")]
+        return entries, extra
 
     def _gather_rank_states(self, checkpoint: dict) -> None:
         trainer = self._trainer
-        extra = [key for key in checkpoint.get("state_dict", {}) if key.endswith("_extra_state")]
         if trainer is None or trainer.world_size == 1 or not torch.distributed.is_initialized():
             return
+        entries, extra = self._rank_local_names(checkpoint)
+        # what a rank may hold is the model's, the same on every rank: no rank skips the gather alone
         if not (self._lazy_factories or self.rank_local_keys or extra):
-            return  # the same on every rank (the model decides): no rank skips the gather alone
-        mine = {"entries": {k: checkpoint[k] for k in (*self._lazy_factories, *self.rank_local_keys) if k in checkpoint},
+            return
+        mine = {"entries": {k: checkpoint[k] for k in entries},
                 "state_dict": {k: checkpoint["state_dict"][k] for k in extra}}
         states: list[Any] = [None] * trainer.world_size
         torch.distributed.all_gather_object(states, mine)
@@ -322,14 +330,13 @@ class RecTask(L.LightningModule):
         if trainer is None or trainer.world_size == 1:
             return  # one process continues with rank 0's, which the checkpoint holds
         if states is None or trainer.world_size != len(states):
-            extra = [key for key in checkpoint.get("state_dict", {}) if key.endswith("_extra_state")]
-            local = [key for key in (*self._lazy_factories, *self.rank_local_keys) if key in checkpoint]
-            if not (extra or local):
+            entries, extra = self._rank_local_names(checkpoint)
+            if not (entries or extra):
                 return  # nothing a rank holds of its own (DLRM)
             own = self.state_dict()  # after setup: each stream seeded from (seed, rank)
             for key in extra:
                 checkpoint["state_dict"][key] = own[key]
-            for key in local:
+            for key in entries:
                 checkpoint.pop(key)
             if trainer.is_global_zero:
                 log.info("the checkpoint holds the negatives' streams of %s process(es), not of these %d: "
