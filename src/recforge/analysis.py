@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 EPOCH_LOG = Path("csv") / "metrics.csv"
 """Where the Lightning CSVLogger of a job writes (conf/logger/csv.yaml: name=csv, version="")."""
 
-META_COLUMNS = ("job", "status")
+META_COLUMNS = ("job", "status", "error")
 """Columns of summary.csv that are neither overrides nor metrics."""
 
 EXTRA_METRICS = ("epochs", "wall_time_s", "test_checkpoint")

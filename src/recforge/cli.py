@@ -13,14 +13,26 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from hydra.errors import CompactHydraException
+
 from recforge.errors import UserInputError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class RefusedSweepJob(CompactHydraException):
+    """A multirun job's :class:`UserInputError`. Hydra records the job as failed and runs the
+    others; once they are done it raises the first failure again, which it prints as this one
+    line (a compact exception) rather than as a traceback."""
 
 
 def one_line_errors(run: Callable[[], T]) -> T:
     """Run ``run``; a :class:`UserInputError` exits non-zero with one ``recforge:`` line.
 
+    In a multirun the job fails instead (:class:`RefusedSweepJob`), and the sweep goes on to its
+    other jobs, as it does after any failure; an exit would end the whole sweep (an Optuna study
+    too, whatever its ``max_failure_rate``).
     ``HYDRA_FULL_ERROR=1`` (Hydra's own switch for full tracebacks) shows its traceback instead.
     """
     try:
@@ -28,8 +40,22 @@ def one_line_errors(run: Callable[[], T]) -> T:
     except UserInputError as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
+        job = _sweep_job()
+        if job is not None:
+            log.error("recforge: %s", error)  # the console and the job's log file, as the job ends
+            raise RefusedSweepJob(f"recforge: sweep job {job}: {error}") from None
         _to_log_files(f"recforge: {error}")
         raise SystemExit(f"recforge: {error}") from None
+
+
+def _sweep_job() -> str | None:
+    """The number of the multirun job running here, if this is one."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return str(HydraConfig.get().job.get("num", "?"))
 
 
 def onto_the_run(argv: list[str]) -> list[str]:

@@ -124,12 +124,16 @@ def test_load_sweep_reads_an_existing_summary(fake_sweep: Path):
     assert len(load_sweep(fake_sweep, rebuild=True)) == 2
 
 
-def test_load_sweep_keeps_failed_jobs(fake_sweep: Path):
-    _write_job(fake_sweep, "2", ["model.hidden_size=64"], metrics=None, csv=None)
+def test_load_sweep_keeps_failed_and_unfinished_jobs(fake_sweep: Path):
+    failed = _write_job(fake_sweep, "2", ["model.hidden_size=64"], metrics=None, csv=None)
+    (failed / ".hydra" / "failure.txt").write_text("recforge: sweep job 2: model.hidden_size=64: too wide\n")
+    _write_job(fake_sweep, "3", ["model.hidden_size=128"], metrics=None, csv=None)  # running, or killed
     summary = load_sweep(fake_sweep)
-    assert summary["job"].tolist() == [0, 1, 2]
-    assert summary["status"].tolist() == ["ok", "ok", "failed"]
-    assert summary["val/mrr@20"].isna().tolist() == [False, False, True]
+    assert summary["job"].tolist() == [0, 1, 2, 3]
+    assert summary["status"].tolist() == ["ok", "ok", "failed", "unfinished"]
+    assert summary["val/mrr@20"].isna().tolist() == [False, False, True, True]
+    assert summary["error"].fillna("").tolist() == ["", "", "recforge: sweep job 2: model.hidden_size=64: too wide", ""]
+    assert "error" not in hyperparameter_columns(summary) and "status" not in hyperparameter_columns(summary)
 
 
 @pytest.mark.parametrize("loader", [load_sweep, load_epoch_logs])

@@ -99,6 +99,24 @@ def test_sweep_from_another_directory_writes_under_it(tmp_path: Path):
     assert not (checkout / "outputs").exists()
 
 
+def test_a_refused_job_fails_alone_and_the_sweep_leaves_its_summary(tmp_path: Path):
+    """Job 0 is refused at start; job 1 still runs, summary.csv says which failed and why, and the
+    sweep exits non-zero with that job's line, no traceback (it used to end at job 0, with no
+    summary; an Optuna study ended there too)."""
+    checkout = user_checkout(tmp_path / "repo")
+    done = run_command("python src/train.py -m model.hidden_size=0,16 trainer.max_epochs=1", cwd=checkout)
+    assert done.returncode == 1, done.stderr[-4000:]
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("recforge: ")]
+    assert len(refusals) == 1, done.stderr[-4000:]
+    (last,) = refusals
+    assert re.fullmatch(r"recforge: sweep job 0: model\.hidden_size=0: expected an integer >= 1.*", last), last
+    assert "Traceback" not in done.stderr and done.stderr.count("Error executing job") == 1, done.stderr[-4000:]
+    rows = _summary(_only_sweep(checkout))
+    assert [(r["job"], r["model.hidden_size"], r["status"]) for r in rows] == [("0", "0", "failed"), ("1", "16", "ok")]
+    assert rows[0]["error"] == last and rows[1]["error"] == ""
+    assert float(rows[1]["test/recall@20"]) > 0
+
+
 def test_submitit_launcher_through_its_local_executor(tmp_path: Path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     checkout = user_checkout(tmp_path / "repo")
