@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recforge.errors import UserInputError
 
-__all__ = ["ConfigValueError", "Range", "check_config_values", "checks_ranges"]
+__all__ = ["ConfigValueError", "Range", "check_config_values", "check_optimizer_values", "checks_ranges"]
 
 
 class ConfigValueError(UserInputError):
@@ -189,9 +189,10 @@ def _targets(node: DictConfig, path: str) -> Iterator[tuple[str, DictConfig]]:
 
 
 def _source_key(node: DictConfig, key: str, path: str) -> str:
-    """The key a value comes from: ``data.batch_size`` for ``task.batch_size: ${data.batch_size}``."""
+    """The key a value comes from: ``data.batch_size`` for ``task.batch_size: ${data.batch_size}``,
+    ``seed`` for ``task.seed: ${oc.select:seed,0}``."""
     raw = node._get_node(key)._value()
-    match = re.fullmatch(r"\$\{([\w.@-]+)\}", raw) if isinstance(raw, str) else None
+    match = re.fullmatch(r"\$\{(?:oc\.select:)?([\w.@-]+)(?:,[^{}]*)?\}", raw) if isinstance(raw, str) else None
     return match.group(1) if match else f"{path}.{key}"
 
 
@@ -269,3 +270,38 @@ def checks_ranges(path: str) -> Callable[[Callable], Callable]:
         return checked
 
     return decorate
+
+
+# ---------------------------------------------------------------------------- built to be checked
+# The words torch's optimizers use for a setting in their refusals, where they do not use its name.
+_SETTING_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas"}
+
+
+def check_optimizer_values(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigValueError` for an optimizer setting the optimizer refuses.
+
+    torch's optimizers declare no bounds in their signatures; they check ``lr``, ``eps``, ``betas``
+    and the rest as they are built, which is inside ``Trainer.fit``, after the data is read, and
+    as a traceback. Each ``optimizer`` node that builds an optimizer (``_partial_: true``; the
+    children of ``optimizer=rowwise_adagrad`` first, so the line names the child's key) is built
+    here once over a stand-in parameter.
+    """
+    import torch
+    from hydra.utils import instantiate
+
+    root = cfg.get("optimizer")
+    if not isinstance(root, DictConfig):
+        return
+    nodes = sorted(_targets(root, "optimizer"), key=lambda item: -item[0].count("."))
+    for path, node in nodes:
+        if not node.get("_partial_", False):
+            continue
+        try:
+            factory = instantiate(node)
+            factory(params=[torch.nn.Parameter(torch.zeros(1))])
+        except (ValueError, TypeError) as error:
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            named = [key for key in node if key not in _HYDRA_KEYS and re.search(rf"\b{re.escape(key)}\b", message)]
+            named += [key for words, key in _SETTING_WORDS.items() if words in message.lower() and key in node]
+            shown = f"{path}.{named[0]}={_shown(OmegaConf.to_container(node, resolve=True)[named[0]])}" if named else path
+            raise ConfigValueError(f"{shown}: {node._target_} refuses it: {message}") from None

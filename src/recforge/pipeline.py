@@ -7,7 +7,10 @@ file; each failure is one ``recforge:`` line (:class:`recforge.errors.UserInputE
 from __future__ import annotations
 
 import logging
+import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +19,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import recforge.utils.resolvers  # noqa: F401 - registers the config resolvers
@@ -46,7 +50,7 @@ from recforge.config_checks import (
     uses_device_mesh,
     warn_renamed_options,
 )
-from recforge.config_values import check_config_values
+from recforge.config_values import check_config_values, check_optimizer_values
 from recforge.contracts import DataModule
 from recforge.distributed.launched_ranks import end_with_rank_zero
 from recforge.errors import UserInputError
@@ -75,6 +79,7 @@ def check_config(cfg: DictConfig) -> None:
     """Values against their targets' signatures, then the data x model x loss combination."""
     warn_renamed_options(_choices())
     check_config_values(cfg)
+    check_optimizer_values(cfg)
     check_combination(cfg, CONF_DIR, _choices())
     check_hardware(cfg, _choices())
 
@@ -200,7 +205,39 @@ def _check_manual_optimization(cfg: DictConfig) -> None:
 
 def _trainer(cfg: DictConfig, callbacks: list, loggers: list, has_validation: bool = True) -> L.Trainer:
     extra = {} if has_validation else {"limit_val_batches": 0, "num_sanity_val_steps": 0}
+    if "enable_checkpointing" not in cfg.trainer and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+        # callbacks=none and the debug presets chose no checkpoints: Lightning would add its own
+        # and write one (a DLRM's tables: gigabytes) that nothing asked for
+        extra["enable_checkpointing"] = False
     return instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
+
+
+@contextmanager
+def _trainer_refusals(cfg: DictConfig) -> Iterator[None]:
+    """Lightning checks some trainer settings only once it runs them (``trainer.val_check_interval``
+    beyond an epoch's batches, a fraction of batches a loader of unknown length cannot take): its
+    refusal is the user's one line, each setting named by its config key (``trainer.<name>``)."""
+    try:
+        yield
+    except (MisconfigurationException, ValueError) as error:
+        if not isinstance(error, MisconfigurationException) and not _from_lightning_loader_setup(error):
+            raise
+        keys = set(cfg.trainer)
+        message = re.sub(r"`(\w+)((?:=[^`]*)?)`",
+                         lambda m: ("trainer." if m.group(1) in keys else "") + m.group(1) + m.group(2),
+                         " ".join(str(error).split()))
+        raise UserInputError(message) from error
+
+
+def _from_lightning_loader_setup(error: BaseException) -> bool:
+    """Whether Lightning raised ``error`` as it set its loaders up against the trainer's settings
+    (where it checks ``val_check_interval`` with a plain ValueError)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame if tb is not None else None
+    return (frame is not None and frame.f_code.co_name == "setup_data"
+            and str(frame.f_globals.get("__name__", "")).startswith("lightning.pytorch."))
 
 
 def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -306,7 +343,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         metrics: dict[str, Any] = {}
         if do_fit:
-            trainer.fit(task, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
+            with _trainer_refusals(cfg):
+                trainer.fit(task, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
             metrics.update(_scalar_metrics(trainer.callback_metrics))
             metrics["epochs"] = trainer.current_epoch
         ckpt = trainer.checkpoint_callback
@@ -319,9 +357,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             test_ckpt = str(resume)  # train=false ckpt_path=...: the checkpoint is what is tested
         if do_test:
             if test_ckpt is None:
-                log.warning("no checkpoint was saved: testing the weights as they are" if do_fit else
-                            "train=false without ckpt_path: testing the model's initial weights")
-            trainer.test(task, datamodule=datamodule, ckpt_path=test_ckpt)
+                if trainer.checkpoint_callback is None and do_fit:
+                    log.info("no checkpoint callback (callbacks.model_checkpoint): testing the weights as they are")
+                else:
+                    log.warning("no checkpoint was saved: testing the weights as they are" if do_fit else
+                                "train=false without ckpt_path: testing the model's initial weights")
+            with _trainer_refusals(cfg):
+                trainer.test(task, datamodule=datamodule, ckpt_path=test_ckpt)
             metrics.update(_scalar_metrics(trainer.callback_metrics))
             metrics["test_checkpoint"] = test_ckpt
         for cb in trainer.callbacks:
@@ -360,7 +402,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     loggers = _instantiate_group(cfg.get("logger"))
     with wandb_run_ends_with_the_job() as job:
         trainer = job.trainer = _trainer(cfg, [], loggers)
-        trainer.test(task, datamodule=datamodule, ckpt_path=str(ckpt_path))
+        with _trainer_refusals(cfg):
+            trainer.test(task, datamodule=datamodule, ckpt_path=str(ckpt_path))
         metrics: dict[str, Any] = _scalar_metrics(trainer.callback_metrics)
         metrics["test_checkpoint"] = str(ckpt_path)
         if trainer.is_global_zero:

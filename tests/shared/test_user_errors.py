@@ -156,6 +156,17 @@ def test_malformed_validation_file_is_found_before_training(tmp_path, files):
         (["+model.hiden_size=3"], "model.hiden_size: GRU4Rec takes no parameter 'hiden_size'"),
         (["evaluation.chunk_size=0"], "evaluation.chunk_size=0: expected an integer >= 1"),
         (["evaluation.ties=random"], "evaluation: unknown tie policy 'random'"),
+        # task.seed is ${oc.select:seed,0}: the key the user set is named
+        (["seed=abc"], "seed=abc: expected an integer or null"),
+        (["model=sasrec", "model.num_heads=3"],
+         "model.num_heads=3: the heads split model.embedding_dim=50 between them; use a divisor of 50"),
+        # torch's optimizers check their settings only when built (inside fit, as a traceback)
+        (["model=dlrm", "optimizer=rowwise_adagrad", "optimizer.dense.eps=-1"],
+         "optimizer.dense.eps=-1: torch.optim.Adagrad refuses it: Invalid epsilon value: -1"),
+        (["model=dlrm", "optimizer=adam", "model.sparse_gradients=false", "optimizer.betas=[1.5,0.9]"],
+         "optimizer.betas=[1.5, 0.9]: torch.optim.Adam refuses it: Invalid beta parameter at index 0: 1.5"),
+        (["model=dlrm", "optimizer=sgd", "optimizer.lr=0.1", "optimizer.momentum=-1"],
+         "optimizer.momentum=-1: torch.optim.SGD refuses it: Invalid momentum value: -1"),
     ],
 )
 def test_bad_value_names_the_key_that_was_set(tmp_path, overrides, message):
@@ -185,6 +196,15 @@ def test_max_epochs_minus_one_needs_something_that_stops(tmp_path, files):
 ])
 def test_the_trainers_own_accumulation_and_clipping_name_what_to_set(tmp_path, override, message):
     _refused(_cfg(tmp_path, override), message)
+
+
+def test_a_setting_lightning_checks_only_as_it_runs_is_one_line_naming_the_trainer_key(tmp_path):
+    """Lightning checks val_check_interval against the epoch's batches only once it sets its loaders
+    up (a ValueError, a traceback): the refusal is one line, with the trainer.* keys it mentions."""
+    error = _refused(_cfg(tmp_path, "trainer.val_check_interval=100000"), None, announced=True)
+    assert str(error).startswith("trainer.val_check_interval (100000) must be less than or equal to the "
+                                 "number of the training batches"), str(error)
+    assert "set trainer.check_val_every_n_epoch=None" in str(error)
 
 
 # ---------------------------------------------------------------- checkpoints

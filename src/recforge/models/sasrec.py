@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recforge.config_values import Range
+from recforge.config_values import ConfigValueError, Range
 from recforge.contracts import SequenceModel
 from recforge.models.item_sequence import ItemSequenceEncoder
 
@@ -162,6 +162,9 @@ class SASRec(ItemSequenceEncoder):
         extra_positions: Annotated[int, Range(ge=0)] = 11,
         l2_norm_eps: Annotated[float, Range(gt=0)] = 1e-6,
     ) -> None:
+        if int(embedding_dim) % int(num_heads):
+            raise ConfigValueError(f"model.num_heads={num_heads}: the heads split model.embedding_dim={embedding_dim} "
+                                   f"between them; use a divisor of {embedding_dim}")
         super().__init__(n_items, embedding_dim, int(max_sequence_length) + int(extra_positions),
                          max_sequence_length, dropout_rate, l2_norm_eps)
         self.blocks = nn.ModuleList(
