@@ -265,11 +265,11 @@ def test_ddp_two_cpu_processes_reduce_metrics(make_cfg, tmp_path, data_dir):
     single = evaluate(make_cfg(f"ckpt_path={ckpt}", name="eval", run="single"))
     assert _test_metrics(trained) == pytest.approx(_test_metrics(single), abs=1e-6)
     assert trained["test/recall@20"] > 0.3  # the DDP run learned something
-    # Each rank trained on its own half of the sessions (rank 0's count is what it logged), so
-    # equal metrics above mean the evaluation counts really were summed across ranks.
+    # Each rank trained on its own half of the sessions, so equal metrics above mean the evaluation
+    # counts really were summed across ranks; the events trained on are both ranks' (they were
+    # rank 0's half)
     datamodule, _ = build(make_cfg(run="probe"))
-    total = datamodule.split("train").n_targets
-    assert 0.4 * total < trained["train/events"] < 0.6 * total
+    assert trained["train/events"] == datamodule.split("train").n_targets
 
 
 def test_ddp_ranks_past_a_padded_epoch_stay_equal_stop_together_and_resume_exactly(make_cfg, tmp_path, data_dir):
@@ -310,10 +310,10 @@ def test_ddp_ranks_past_a_padded_epoch_stay_equal_stop_together_and_resume_exact
 
     stopped = run("stopped", f"trainer.max_steps={limit}", "test=false")
     trained = json.loads((stopped / "metrics.json").read_text())
-    # rank 0 trained 10 updates of the second epoch, then both ranks stopped (no all-reduce left
+    # each rank trained 10 updates of the second epoch, then both stopped (no all-reduce left
     # waiting: the run ended)
     assert trained["epochs"] == 2
-    assert 9 * 32 < trained["train/events"] <= 10 * 32
+    assert 2 * 9 * 32 < trained["train/events"] <= 2 * 10 * 32  # both ranks' (a padding step has none)
     rank0, rank1 = load_rank_weights(tmp_path / "stopped" / "weights", world=2)
     assert rank0.keys() == rank1.keys()
     for name in rank0:

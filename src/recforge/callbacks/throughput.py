@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import lightning as L
+import torch
 
 
 def _batch_events(batch) -> int:
@@ -16,13 +17,31 @@ def _batch_steps(batch) -> int:
     return int(getattr(batch, "n_steps", 1))
 
 
+def _whole_run(trainer, pl_module, events: float, seconds: float) -> tuple[float, float]:
+    """The run's events and seconds (the slowest rank's): under DDP each rank counts only its own
+    share of the rows. The table-sharding ranks of one data-parallel rank (``hardware=model_parallel*``)
+    read the same rows, so the sum over every rank is scaled to the data-parallel ranks'."""
+    world = trainer.world_size
+    if world == 1:
+        return events, seconds
+    share = trainer.distributed_sampler_kwargs
+    readers = int(share["num_replicas"]) if share else world
+    reduce = trainer.strategy.reduce
+    events_t = torch.tensor([events], dtype=torch.float64, device=pl_module.device)
+    seconds_t = torch.tensor([seconds], dtype=torch.float64, device=pl_module.device)
+    total = float(reduce(events_t, reduce_op="sum")) * readers / world
+    return round(total), float(reduce(seconds_t, reduce_op="max"))
+
+
 class EventThroughput(L.Callback):
     """Counts events (rows of every batch) and wall time per epoch.
 
     Logs ``train/events_per_s``, ``train/batches_per_s`` (mini-batches, i.e. optimizer steps, also
     when the data layer groups several into one Lightning batch) and ``val/events_per_s`` /
     ``test/events_per_s`` at epoch end, and keeps the running training rate in the progress bar.
-    Time spent in validation is excluded from the training rate.
+    Time spent in validation is excluded from the training rate. Under DDP the events are every
+    rank's and the time the slowest rank's; ``train/batches_per_s`` counts a rank's steps, which
+    all ranks take together.
     """
 
     def __init__(self, prog_bar_every: int = 50) -> None:
@@ -70,16 +89,16 @@ class EventThroughput(L.Callback):
     def _log_eval(self, trainer, pl_module, prefix: str) -> None:
         if trainer.sanity_checking:
             return
-        seconds = time.perf_counter() - self._eval["t0"]
-        rate = self._eval["events"] / max(seconds, 1e-9)
+        events, seconds = _whole_run(trainer, pl_module, self._eval["events"], time.perf_counter() - self._eval["t0"])
+        rate = events / max(seconds, 1e-9)
         self.totals[f"{prefix}/events_per_s"] = rate
         pl_module.log(f"{prefix}/events_per_s", rate, sync_dist=False)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         t = self._train
-        seconds = t["seconds"] + time.perf_counter() - t["t0"]
-        self.totals["train/events_per_s"] = t["events"] / max(seconds, 1e-9)
+        events, seconds = _whole_run(trainer, pl_module, t["events"], t["seconds"] + time.perf_counter() - t["t0"])
+        self.totals["train/events_per_s"] = events / max(seconds, 1e-9)
         self.totals["train/batches_per_s"] = t["batches"] / max(seconds, 1e-9)
-        self.totals["train/events"] = t["events"]
+        self.totals["train/events"] = int(events)
         pl_module.log("train/events_per_s", self.totals["train/events_per_s"])
         pl_module.log("train/batches_per_s", self.totals["train/batches_per_s"])
