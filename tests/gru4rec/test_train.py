@@ -164,11 +164,13 @@ def test_a_step_limit_inside_a_group_stops_at_that_update(make_cfg):
         assert torch.equal(value, runs[8][1]["state_dict"][name]), name
 
 
-def test_a_step_limit_inside_a_group_leaves_a_last_that_resumes_as_if_uninterrupted(make_cfg):
+@pytest.mark.parametrize("where", ["inside epoch 1", "in epoch 0's last group"])
+def test_a_step_limit_inside_a_group_leaves_a_last_that_resumes_as_if_uninterrupted(make_cfg, where):
     """With 8 steps a Lightning batch, trainer.max_steps 10 updates into epoch 1 cuts its second
-    group after 2 steps. last.ckpt holds that update and says so, and the resumed run trains the
-    group's other 6 steps first: its final weights are the uninterrupted run's, bit for bit (it
-    skipped the whole group before)."""
+    group after 2 steps; one update before epoch 0's end cuts its last group one step short.
+    last.ckpt holds that update and says so, and the resumed run trains the group's other steps
+    first: its final weights are the uninterrupted run's, bit for bit (it skipped the whole group
+    before)."""
     fixed = ["data.steps_per_batch=8", "trainer.max_epochs=2", "~callbacks.early_stopping", "test=false"]
 
     def last(cfg) -> dict:
@@ -178,9 +180,11 @@ def test_a_step_limit_inside_a_group_leaves_a_last_that_resumes_as_if_uninterrup
     train(straight)
     want = last(straight)
     per_epoch = want["global_step"] // 2
-    stopped = make_cfg(*fixed, f"trainer.max_steps={per_epoch + 10}", run="stopped")
+    assert per_epoch % 8 != 1, "epoch 0's last group must have a step after the cut"
+    limit = per_epoch + 10 if where == "inside epoch 1" else per_epoch - 1
+    stopped = make_cfg(*fixed, f"trainer.max_steps={limit}", run="stopped")
     train(stopped)
-    assert last(stopped)["global_step"] == per_epoch + 10
+    assert last(stopped)["global_step"] == limit
     resumed = make_cfg(*fixed, f"ckpt_path={Path(stopped.paths.output_dir) / 'checkpoints' / 'last.ckpt'}",
                        run="resumed")
     train(resumed)

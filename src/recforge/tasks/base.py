@@ -284,6 +284,30 @@ class RecTask(L.LightningModule):
             if obj is not None:
                 checkpoint[name] = obj.state_dict()
         self._gather_rank_states(checkpoint)
+        self._reopen_a_cut_last_batch(checkpoint)
+
+    def _reopen_a_cut_last_batch(self, checkpoint: dict) -> None:
+        """A step limit that cut the epoch's last batch short (``batch_cut_after``): Lightning
+        counts that batch as trained, and resumed from there it closes the epoch, so the batch's
+        other updates never ran and the next epoch started without ``on_train_epoch_start``
+        (GRU4Rec carried its sessions in flight into it). The checkpoint's batch progress is put
+        back to the end of the batch before, as if saved there: the resumed epoch takes the cut
+        batch's other updates from the loader (its state says where the cut was) and ends as
+        usual. A cut inside the epoch needs none of this: the loader joins the rest to the next
+        batch, and Lightning's count holds."""
+        if not self.batch_cut_after:
+            return
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+        if not progress or not progress.get("is_last_batch"):
+            return
+        for part in ("total", "current"):
+            counts = progress[part]
+            if counts["completed"] != counts["processed"] - 1:  # not saved at the batch's end
+                return
+        for part in ("total", "current"):
+            for key in ("ready", "started", "processed", "completed"):
+                progress[part][key] -= 1
+        progress["is_last_batch"] = False
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._take_own_rank_state(checkpoint)
