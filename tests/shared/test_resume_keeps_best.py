@@ -147,3 +147,40 @@ def test_a_resumed_run_keeps_the_patience_it_was_given(tmp_path: Path):
     resumed = _fit(scores, 5, tmp_path / "b", patience=5, ckpt_path=tmp_path / "a" / "last.ckpt")
     assert _saved(tmp_path / "b" / "last.ckpt")["epoch"] == 4
     assert resumed.best_model_score == pytest.approx(0.95)
+
+
+class ScriptedSteps(Scripted):
+    """:class:`Scripted` stepping its optimizer itself, as every recforge task does."""
+
+    def __init__(self, scores: list[float | None], batches: int = 1):
+        super().__init__(scores, batches)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+@pytest.mark.parametrize("val_check_interval", [1.0, 2])
+def test_step_checkpoints_are_ranked_only_where_a_validation_scored_them(tmp_path: Path, val_check_interval):
+    """every_n_train_steps=3 over epochs of 4 updates: Lightning ranked the checkpoint of step 9 by
+    epoch 1's figure (0.9), taken at step 8, so the 'best' was weights no validation had seen.
+    Ranked here: the steps a validation scored (each epoch's end, or every 2 updates); the step
+    checkpoints are last.ckpt, the latest state."""
+    scores = [0.3, 0.9, 0.5]
+    callback = ModelCheckpoint(dirpath=tmp_path, filename="step_{step}", monitor="val/score", mode="max",
+                               save_last=True, save_top_k=1, every_n_train_steps=3)
+    trainer = L.Trainer(max_epochs=3, callbacks=[callback], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu",
+                        val_check_interval=val_check_interval)
+    module = ScriptedSteps(scores, batches=4)
+    trainer.fit(module)
+    assert callback.best_model_score == pytest.approx(0.9)
+    best = _saved(Path(callback.best_model_path))
+    validated = {4, 8, 12} if val_check_interval == 1.0 else {2, 4, 6, 8, 10, 12}
+    assert best["global_step"] in validated and 5 <= best["global_step"] <= 8  # epoch 1's
+    assert _saved(tmp_path / "last.ckpt")["global_step"] == 12

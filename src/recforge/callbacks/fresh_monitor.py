@@ -26,6 +26,7 @@ from typing import Any
 import lightning as L
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import callbacks
+from lightning.pytorch.trainer.states import TrainerFn
 
 from recforge.utils.atomic import apply_umask
 
@@ -48,10 +49,21 @@ class ModelCheckpoint(callbacks.ModelCheckpoint):
     tested it. Here ``last.ckpt`` is written at every point Lightning would checkpoint (an epoch's
     end, a validation inside one), at the update that reaches ``trainer.max_steps`` (inside the
     epoch: resumed with a larger limit, the run goes on as if uninterrupted), and at the end of
-    training if anything trained since (a ``trainer.max_time`` stop)."""
+    training if anything trained since (a ``trainer.max_time`` stop).
+
+    With a monitor and ``every_n_train_steps``, Lightning ranks each step's checkpoint by the last
+    validation's figure, so the best could be weights no validation ever scored. Here a step
+    checkpoint is ``last.ckpt`` (the latest state, to resume from), and the ranked ones are taken
+    where a validation pass scored the weights: at its end."""
+
+    def _ranks_at_validation_only(self) -> bool:
+        return self.monitor is not None and self._every_n_train_steps >= 1
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if not self._ranks_at_validation_only():
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        elif trainer.global_step % self._every_n_train_steps == 0:
+            self._save_last(trainer)
         if 0 < trainer.max_steps <= trainer.global_step:
             self._save_last(trainer)
 
@@ -62,7 +74,15 @@ class ModelCheckpoint(callbacks.ModelCheckpoint):
             self._save_last(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if logged_by_last_validation(self.monitor, pl_module):
+        if self._ranks_at_validation_only():
+            # not _should_skip_saving_checkpoint: a step checkpoint (last.ckpt) of this very step
+            # must not keep the scored one from being ranked
+            fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+            candidates = self._monitor_candidates(trainer)
+            if (fitting and not trainer.fast_dev_run and logged_by_last_validation(self.monitor, pl_module)
+                    and self.monitor in candidates):
+                self._save_topk_checkpoint(trainer, candidates)
+        elif logged_by_last_validation(self.monitor, pl_module):
             super().on_validation_end(trainer, pl_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._save_last(trainer)
