@@ -27,10 +27,26 @@ if os.environ.get("TRITON_INTERPRET") is None:
 
 # Every run the tests start, here or in a child process, computes with this process's thread count:
 # extras.threads=auto follows the machine's load at start, and tests compare runs value for value.
-if "OMP_NUM_THREADS" not in os.environ:
+# Under pytest-xdist (``-n auto``) the workers share the cores: each computes with its share. A
+# worker inherits the value the session set for itself (all the cores), so it sets its own; two
+# workers on all the cores each ran some tests 20-60 times slower (OpenMP threads spinning).
+_SESSION_CORES = "RECFORGE_TEST_CORES"  # the cores the session computes on, when it chose them
+if "OMP_NUM_THREADS" not in os.environ or _SESSION_CORES in os.environ:
     import torch
 
-    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    _cores = int(os.environ.get(_SESSION_CORES) or torch.get_num_threads())
+    os.environ[_SESSION_CORES] = str(_cores)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+MAX_WORKERS = 8
+"""``-n auto``'s ceiling: each worker holds torch and Lightning (about 1 GB) and starts runs of
+its own, some of them several processes."""
+
+
+def pytest_xdist_auto_num_workers(config):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
 
 
 # ---------------------------------------------------------------- tests in a process of their own
@@ -51,7 +67,9 @@ def _run_in_child(item: pytest.Item, known_crash: str | None = None) -> None:
 
     done = _once_more_after_a_known_segfault(run, known_crash)
     out = done.stdout + done.stderr
-    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    # the summary is stdout's last line: a plugin may warn on stderr after it (pytest-benchmark
+    # does whenever pytest-xdist is installed)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     if done.returncode == 0 and " skipped" in summary and " passed" not in summary:
         reasons = [line.split(": ", 1)[-1] for line in out.splitlines() if line.startswith("SKIPPED")]
         pytest.skip(reasons[0] if reasons else summary)

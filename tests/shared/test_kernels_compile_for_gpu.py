@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_child
+from processes import run_children
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 triton = pytest.importorskip("triton")
@@ -42,11 +42,12 @@ def compiled() -> list[dict]:
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (silences its warning)
     src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    done = run_child(
-        [sys.executable, str(SCRIPT), *map(str, ARCHS)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["launches"]
+    # one process per target, side by side: each compile is one core's work
+    launches = []
+    for done in run_children([[sys.executable, str(SCRIPT), str(arch)] for arch in ARCHS], env=env, timeout=600):
+        assert done.returncode == 0, done.stderr[-4000:]
+        launches += json.loads(done.stdout.strip().splitlines()[-1])["launches"]
+    return launches
 
 
 def test_every_kernel_and_variant_compiles_to_a_cubin(compiled):
