@@ -84,14 +84,19 @@ def _end_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     proc.wait()
 
 
+def _start(args, **kwargs) -> subprocess.Popen:
+    """The child in a process group of its own (ended whole with :func:`_end_group`), killed by the
+    kernel if the test process dies first."""
+    return subprocess.Popen(args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+
+
 def run_child(args, *, input=None, capture_output: bool = False, timeout: float | None = None,
               check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` whose child, and every process it starts, ends with the call: on
     return, on a timeout, on Ctrl-C or SIGTERM of the test process; and dies with it on SIGKILL."""
     if capture_output:
         kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
-    proc = subprocess.Popen(args, start_new_session=True, preexec_fn=_die_with_parent,
-                            stdin=subprocess.PIPE if input is not None else kwargs.pop("stdin", None), **kwargs)
+    proc = _start(args, stdin=subprocess.PIPE if input is not None else kwargs.pop("stdin", None), **kwargs)
     try:
         stdout, stderr = proc.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -120,8 +125,7 @@ def run_children(commands: list[list[str]], *, timeout: float | None = None,
         for args in commands:
             out = stack.enter_context(tempfile.TemporaryFile("w+"))
             err = stack.enter_context(tempfile.TemporaryFile("w+"))
-            proc = subprocess.Popen(args, start_new_session=True, preexec_fn=_die_with_parent,
-                                    stdout=out, stderr=err, text=True, **kwargs)
+            proc = _start(args, stdout=out, stderr=err, text=True, **kwargs)
             stack.callback(_signal_group, proc, signal.SIGKILL)  # what each left running
             stack.callback(lambda p=proc: p.poll() is None and _end_group(p))
             started.append((proc, out, err))
